@@ -1,0 +1,154 @@
+"""Compile every shipped GPU kernel config for Hopper (sm_90) without a GPU and check resources.
+
+    TRITON_INTERPRET=0 python -m fmha.compile_check
+
+For each (dtype, head dim bucket) of ``fmha.configs`` and a few feature combinations, the kernel
+is specialized exactly as a real launch would (same launcher code, CPU tensors standing in),
+compiled by Triton for sm_90, and its PTX assembled by ``ptxas -v``. A compile failure, a
+register spill or shared memory over the sm_90 limit is reported and fails the check.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    raise SystemExit("fmha.compile_check needs TRITON_INTERPRET=0 (it compiles for sm_90)")
+os.environ["TRITON_INTERPRET"] = "0"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+
+from . import ops  # noqa: E402
+from .inputs import check_inputs  # noqa: E402
+from .kernels.fwd import attention_fwd_kernel  # noqa: E402
+
+SM90_MAX_SHARED = 232448  # bytes of shared memory one block may use on Hopper
+
+
+class _HopperCompileOnly:
+    """Just enough of a Triton driver to compile for sm_90 where there is no GPU."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+@dataclass
+class Result:
+    name: str
+    registers: int
+    spill_bytes: int
+    shared: int
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and self.spill_bytes == 0 and self.shared <= SM90_MAX_SHARED
+
+
+def _ptxas_report(ptx: str) -> tuple[int, int]:
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(tmp, "k.o")],
+                              capture_output=True, text=True, check=True)
+    log = proc.stdout + proc.stderr
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    return regs, spills
+
+
+def _fwd_problem(dtype, dq, dv, features: str):
+    """CPU tensors and keyword arguments of a small forward problem with the given features."""
+    group = "group" in features
+    b, s, h, hk = 2, 64, 4, 2
+    if group:
+        q = torch.empty(2 * s, h, dq, dtype=dtype)
+        k = torch.empty(2 * s, hk, dq, dtype=dtype)
+        v = torch.empty(2 * s, hk, dv, dtype=dtype)
+        starts = torch.tensor([0, s, 2 * s], dtype=torch.int32)
+        kw = dict(seqstart_q=starts, seqstart_k=starts, seqlen_k=torch.tensor([s, s], dtype=torch.int32))
+        bias_shape = (h, 2 * s, s)
+    else:
+        q = torch.empty(b, s, h, dq, dtype=dtype)
+        k = torch.empty(b, s, hk, dq, dtype=dtype)
+        v = torch.empty(b, s, hk, dv, dtype=dtype)
+        kw = {}
+        bias_shape = (h, s, s)
+    if "mask" in features:
+        kw["mask"] = "b:64,0"
+    if "bias" in features:
+        kw["bias"] = torch.empty(bias_shape, dtype=dtype)
+    if "alibi" in features:
+        kw["alibi_slopes"] = torch.empty(h, dtype=torch.float32)
+    if "dropout" in features:
+        kw["dropout_p"] = 0.1
+    return q, k, v, kw
+
+
+FEATURE_SETS = ("plain", "mask", "mask bias dropout", "group mask alibi dropout")
+
+
+def check_fwd(dtype, dq, dv, features: str) -> Result:
+    name = f"fwd {str(dtype).split('.')[-1]} d={dq}/{dv} [{features}]"
+    q, k, v, kw = _fwd_problem(dtype, dq, dv, features)
+    inputs = check_inputs(q, k, v, **kw)
+    out = torch.empty(inputs.out_shape, dtype=dtype)
+    lse = torch.empty(inputs.lse_shape, dtype=torch.float32)
+    dropout = inputs.dropout_p > 0
+    randval = torch.empty(inputs.randval_shape, dtype=torch.uint8) if dropout else None
+    philox = torch.zeros(2, dtype=torch.int64) if dropout else None
+    grid, kwargs = ops.fwd_kernel_args(inputs, out, lse, randval, philox)
+    try:
+        kernel = attention_fwd_kernel.warmup(grid=grid, **kwargs)
+        regs, spills = _ptxas_report(kernel.asm["ptx"])
+    except Exception as exc:  # report every failing config, not just the first
+        return Result(name, 0, 0, 0, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+    return Result(name, regs, spills, kernel.metadata.shared)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="check only configs whose name contains this")
+    args = parser.parse_args(argv)
+    driver.set_active(_HopperCompileOnly())
+    dims = [(16, 16), (32, 32), (64, 64), (128, 128), (256, 256), (40, 72), (192, 128)]
+    results = []
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for dq, dv in dims:
+            for features in FEATURE_SETS:
+                name = f"fwd {str(dtype).split('.')[-1]} d={dq}/{dv} [{features}]"
+                if args.only not in name:
+                    continue
+                res = check_fwd(dtype, dq, dv, features)
+                results.append(res)
+                status = "ok  " if res.ok else "FAIL"
+                print(f"{status} {res.name:50s} regs={res.registers:3d} spill={res.spill_bytes:5d}B "
+                      f"smem={res.shared:6d}B {res.error}", flush=True)
+    failed = [r for r in results if not r.ok]
+    print(f"{len(results) - len(failed)}/{len(results)} kernel configs compile for sm_90 within limits")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Tile configurations: one table, chosen by (dtype, head dim bucket, features), no autotuning.
+
+Each row was measured on the H200 (see benchmarks/NOTES.md). Under Triton's interpreter small
+tiles keep the CPU tests fast while still crossing several tiles at ragged lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .kernels import INTERPRET
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# block_m stays a multiple of 32: the dropout byte layout works on 32-row tiles.
+INTERPRETER_CONFIG = TileConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)
+
+# (dtype kind, head-dim bucket) -> forward tile config; the bucket is the padded head dim.
+FWD_CONFIGS: dict[tuple[str, int], TileConfig] = {
+    ("half", 16): TileConfig(128, 64, 4, 3),
+    ("half", 32): TileConfig(128, 64, 4, 3),
+    ("half", 64): TileConfig(128, 64, 4, 3),  # 428 TFLOP/s at s=4k (bf16)
+    ("half", 128): TileConfig(128, 64, 8, 3),  # 497 at s=16k; 128x128 tiles 493
+    ("half", 256): TileConfig(128, 64, 8, 2),  # 493 at s=16k
+    ("fp32", 16): TileConfig(64, 32, 4, 2),
+    ("fp32", 32): TileConfig(64, 32, 4, 2),
+    ("fp32", 64): TileConfig(64, 32, 4, 2),
+    ("fp32", 128): TileConfig(32, 32, 4, 1),
+    ("fp32", 256): TileConfig(32, 16, 4, 1),
+}
+
+
+def head_dim_block(head_dim: int) -> int:
+    """The padded head dim a kernel works on: a power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def fwd_config(dtype: torch.dtype, head_dim_q: int, head_dim_v: int) -> TileConfig:
+    if INTERPRET:
+        return INTERPRETER_CONFIG
+    kind = "fp32" if dtype == torch.float32 else "half"
+    bucket = max(head_dim_block(head_dim_q), head_dim_block(head_dim_v))
+    return FWD_CONFIGS[(kind, bucket)]

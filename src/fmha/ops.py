@@ -74,11 +74,10 @@ def fwd(
     if out is None:
         alloc = torch.zeros if inputs.has_padding_q else torch.empty
         out = alloc(inputs.out_shape, dtype=q.dtype, device=device)
-    lse = None
-    if return_lse:
-        lse = torch.empty(inputs.lse_shape, dtype=torch.float32, device=device)
-        if inputs.has_padding_q:
-            lse.fill_(float("-inf"))
+    # LSE is always written (it costs one float per row); callers that did not ask get None.
+    lse = torch.empty(inputs.lse_shape, dtype=torch.float32, device=device)
+    if inputs.has_padding_q:
+        lse.fill_(float("-inf"))
     has_dropout = inputs.dropout_p > 0
     randval = None
     if has_dropout and return_randval:
@@ -89,13 +88,13 @@ def fwd(
     grid, kwargs = fwd_kernel_args(inputs, out, lse, randval, philox)
     if grid[0] > 0:
         attention_fwd_kernel[grid](**kwargs)
-    return out, lse, randval
+    return out, lse if return_lse else None, randval
 
 
 def fwd_kernel_args(
     inputs: AttentionInputs,
     out: torch.Tensor,
-    lse: torch.Tensor | None,
+    lse: torch.Tensor,
     randval: torch.Tensor | None,
     philox: torch.Tensor | None,
 ) -> tuple[tuple[int], dict]:
@@ -115,9 +114,7 @@ def fwd_kernel_args(
     randval_strides = (0, 0, 0)
     if randval is not None:
         randval_strides = (0, randval.stride(0), randval.stride(1)) if group else randval.stride()[:3]
-    lse_strides = (0, 0)
-    if lse is not None:
-        lse_strides = (0, lse.stride(0)) if group else (lse.stride(0), lse.stride(1))
+    lse_strides = (0, lse.stride(0)) if group else (lse.stride(0), lse.stride(1))
     mode, alibi_from_bottom_right = alibi_mode(inputs)
     mask = inputs.mask
     upcast = INTERPRET and q.dtype == torch.bfloat16
@@ -162,12 +159,10 @@ def fwd_kernel_args(
         HAS_PADDED_K=inputs.seqstart_padded_k is not None,
         HAS_CU_SEQLEN_Q=inputs.cu_seqlen_q is not None,
         HAS_CU_SEQLEN_K=inputs.cu_seqlen_k is not None,
-        HAS_MASK=mask.type != MaskType.NONE,
         HAS_BIAS=bias is not None,
         ALIBI_MODE=mode,
         HAS_DROPOUT=has_dropout,
         STORE_RANDVAL=randval is not None,
-        STORE_LSE=lse is not None,
         UPCAST=upcast,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,

@@ -67,31 +67,24 @@ def sequence_bounds(
 
 
 @triton.jit
-def window_bounds(sq, sk, window_left, window_right, mask_bottom_right, HAS_MASK: tl.constexpr):
+def window_bounds(sq, sk, window_left, window_right, mask_bottom_right):
     """``(diag, left, right)``: row i sees keys ``i + diag - left <= j <= i + diag + right``.
 
-    Negative (unbounded) sides become ``sq + sk``, which reaches past every key.
+    Negative (unbounded) sides become ``sq + sk``, which reaches past every key; no mask is
+    ``left = right = -1``.
     """
-    if HAS_MASK:
-        reach = sq + sk
-        diag = mask_bottom_right * (sk - sq)
-        left = tl.where(window_left < 0, reach, tl.minimum(window_left, reach))
-        right = tl.where(window_right < 0, reach, tl.minimum(window_right, reach))
-    else:
-        diag = 0
-        left = sq + sk
-        right = sq + sk
+    reach = sq + sk
+    diag = mask_bottom_right * (sk - sq)
+    left = tl.where(window_left < 0, reach, tl.minimum(window_left, reach))
+    right = tl.where(window_right < 0, reach, tl.minimum(window_right, reach))
     return diag, left, right
 
 
 @triton.jit
-def visible(offs_m, offs_n, sk, diag, left, right, HAS_MASK: tl.constexpr):
+def visible(offs_m, offs_n, sk, diag, left, right):
     """Boolean tile: key ``offs_n`` exists and lies in the window of row ``offs_m``."""
-    seen = offs_n[None, :] < sk
-    if HAS_MASK:
-        rel = offs_n[None, :] - offs_m[:, None] - diag
-        seen = seen & (rel >= -left) & (rel <= right)
-    return seen
+    rel = offs_n[None, :] - offs_m[:, None] - diag
+    return (offs_n[None, :] < sk) & (rel >= -left) & (rel <= right)
 
 
 @triton.jit

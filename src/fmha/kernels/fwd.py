@@ -1,8 +1,8 @@
 """Forward attention: one program per (query tile, query head, batch), online softmax in log2 units.
 
-The key loop runs in three stages: edge tiles before the window's interior, interior tiles that
-every row of the query tile sees whole (no per-element checks), and edge tiles after it. Tiles
-outside the window are never visited.
+Key tiles come in two kinds: interior tiles, which every row of the query tile sees whole (no
+per-element checks), and edge tiles on either side of them (window or sequence boundary),
+checked element by element. Tiles outside the window are never visited.
 """
 
 import triton
@@ -60,7 +60,6 @@ def _fwd_tile(
     EDGE: tl.constexpr,
     EVEN_DQ: tl.constexpr,
     EVEN_DV: tl.constexpr,
-    HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ALIBI_MODE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
@@ -91,7 +90,7 @@ def _fwd_tile(
     if ALIBI_MODE != ALIBI_NONE:
         s += alibi_log2(slope_log2, offs_m, offs_n, alibi_diag, ALIBI_MODE)
     if EDGE:
-        s = tl.where(visible(offs_m, offs_n, sk, diag, left, right, HAS_MASK), s, float("-inf"))
+        s = tl.where(visible(offs_m, offs_n, sk, diag, left, right), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     if EDGE or HAS_BIAS:
         # A row with nothing visible yet keeps m = -inf; exponentiate against 0 instead.
@@ -191,12 +190,10 @@ def attention_fwd_kernel(
     HAS_PADDED_K: tl.constexpr,
     HAS_CU_SEQLEN_Q: tl.constexpr,
     HAS_CU_SEQLEN_K: tl.constexpr,
-    HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ALIBI_MODE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     STORE_RANDVAL: tl.constexpr,
-    STORE_LSE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -264,7 +261,7 @@ def attention_fwd_kernel(
             randval_offs = tl.arange(0, BLOCK_M)[:, None] * stride_rs + offs_n[None, :]
 
     # Key range of this query tile, and the interior that all of its rows see whole.
-    diag, left, right = window_bounds(sq, sk, window_left, window_right, mask_bottom_right, HAS_MASK)
+    diag, left, right = window_bounds(sq, sk, window_left, window_right, mask_bottom_right)
     first_row = m0
     last_row = tl.minimum(m0 + BLOCK_M, sq) - 1
     kv_lo = tl.maximum(first_row + diag - left, 0)
@@ -280,32 +277,28 @@ def attention_fwd_kernel(
     has_inner = inner_hi > inner_lo
     split_lo = tl.where(has_inner, inner_lo, kv_hi)
     split_hi = tl.where(has_inner, inner_hi, kv_hi)
+    edge_before = tl.cdiv(split_lo - tile_lo, BLOCK_N)
+    edge_tiles = edge_before + tl.cdiv(kv_hi - split_hi, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    for start_n in range(tile_lo, split_lo, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(
-            acc, l_i, m_i, q, start_n, k_base, v_base, k_offs, v_offs, bias_base, bias_offs,
-            randval_base, randval_offs, offs_m, m0, sq, sk, diag, left, right, qk_scale, slope_log2,
-            alibi_diag, seed, offset, bh_index, drop_threshold, stride_ks, stride_vs, stride_bk,
-            dq_ok, dv_ok, BLOCK_M, BLOCK_N, True, EVEN_DQ, EVEN_DV, HAS_MASK, HAS_BIAS, ALIBI_MODE,
-            HAS_DROPOUT, STORE_RANDVAL, UPCAST, DOT_PRECISION,
-        )
     for start_n in range(split_lo, split_hi, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(
             acc, l_i, m_i, q, start_n, k_base, v_base, k_offs, v_offs, bias_base, bias_offs,
             randval_base, randval_offs, offs_m, m0, sq, sk, diag, left, right, qk_scale, slope_log2,
             alibi_diag, seed, offset, bh_index, drop_threshold, stride_ks, stride_vs, stride_bk,
-            dq_ok, dv_ok, BLOCK_M, BLOCK_N, False, EVEN_DQ, EVEN_DV, HAS_MASK, HAS_BIAS, ALIBI_MODE,
+            dq_ok, dv_ok, BLOCK_M, BLOCK_N, False, EVEN_DQ, EVEN_DV, HAS_BIAS, ALIBI_MODE,
             HAS_DROPOUT, STORE_RANDVAL, UPCAST, DOT_PRECISION,
         )
-    for start_n in range(split_hi, kv_hi, BLOCK_N):
+    # Edge tiles on both sides of the interior, in one loop (softmax order does not matter).
+    for t in range(0, edge_tiles):
+        start_n = tl.where(t < edge_before, tile_lo + t * BLOCK_N, split_hi + (t - edge_before) * BLOCK_N)
         acc, l_i, m_i = _fwd_tile(
             acc, l_i, m_i, q, start_n, k_base, v_base, k_offs, v_offs, bias_base, bias_offs,
             randval_base, randval_offs, offs_m, m0, sq, sk, diag, left, right, qk_scale, slope_log2,
             alibi_diag, seed, offset, bh_index, drop_threshold, stride_ks, stride_vs, stride_bk,
-            dq_ok, dv_ok, BLOCK_M, BLOCK_N, True, EVEN_DQ, EVEN_DV, HAS_MASK, HAS_BIAS, ALIBI_MODE,
+            dq_ok, dv_ok, BLOCK_M, BLOCK_N, True, EVEN_DQ, EVEN_DV, HAS_BIAS, ALIBI_MODE,
             HAS_DROPOUT, STORE_RANDVAL, UPCAST, DOT_PRECISION,
         )
 
@@ -320,7 +313,6 @@ def attention_fwd_kernel(
     o_base = Out + b64 * stride_ob + q_row0.to(tl.int64) * stride_os + h64 * stride_oh
     o_ptrs = o_base + offs_m[:, None].to(tl.int64) * stride_os + offs_dv[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
-    if STORE_LSE:
-        lse = tl.where(empty_row, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
-        lse_ptrs = Lse + b64 * stride_lb + h64 * stride_lh + lse_row0 + offs_m
-        tl.store(lse_ptrs, lse, mask=row_ok)
+    lse = tl.where(empty_row, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    lse_ptrs = Lse + b64 * stride_lb + h64 * stride_lh + lse_row0 + offs_m
+    tl.store(lse_ptrs, lse, mask=row_ok)

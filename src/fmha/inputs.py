@@ -104,8 +104,7 @@ def _check_starts(name: str, starts: list[int], lengths: list[int], total: int, 
     if any(n < 0 for n in lengths):
         raise _fail(name, "non-negative sequence lengths", lengths)
     for b, (start, n) in enumerate(zip(starts, lengths)):
-        end_limit = starts[b + 1] if b + 1 < len(lengths) else total
-        if start < 0 or start + n > end_limit:
+        if start < 0 or start + n > starts[b + 1] or starts[b + 1] > total:
             raise _fail(
                 name,
                 f"non-decreasing starts with each sequence inside {what} ({total} rows)",

@@ -116,7 +116,7 @@ def alibi_bias(
     j = torch.arange(seqlen_k, device=slopes.device, dtype=slopes.dtype)[None, :]
     slopes = slopes[:, None, None]
     if mask.is_causal:
-        return slopes * j
+        return (slopes * j).expand(-1, seqlen_q, -1)
     if mask.type == MaskType.TOP_LEFT:
         return -slopes * (i - j).abs()
     return -slopes * (i + (seqlen_k - seqlen_q) - j).abs()

@@ -31,7 +31,7 @@ Q, K, V = qkv()
     [
         ((Q[0], K, V), {}, r"^q: expected a 4-D tensor"),
         ((Q, K.float(), V), {}, r"^k: expected dtype torch.float16 \(as q\), got torch.float32"),
-        ((Q.double(), K.double(), V.double()), {}, r"^q: expected dtype float16, bfloat16 or float32"),
+        ((Q.int(), K.int(), V.int()), {}, r"^q: expected dtype float16, bfloat16, float32 or float64"),
         ((Q.to("meta"), K, V), {}, r"^k: expected a tensor on meta"),
         ((Q, K[..., :8], V), {}, r"^k head dim: expected 16 \(q's head dim\), got 8"),
         ((Q, K, V[:, :4]), {}, r"^v shape: expected"),

@@ -1,4 +1,4 @@
-"""Public entry points: ``attention``, ``attention_varlen`` and the lower-level ``fwd``."""
+"""Public entry points: ``attention``, ``attention_varlen`` and the lower-level ``fwd``/``bwd``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 
 from . import ops
+from .autograd import AttentionFunction
 from .inputs import check_inputs
 from .masks import MaskLike
 
@@ -81,10 +82,17 @@ def _check_out(out, shape, q) -> None:
         raise ValueError(f"out: expected a contiguous head dim (stride 1), got strides {out.stride()}")
 
 
-def _result(res: AttentionOutput, return_lse: bool, return_randval: bool):
+def _differentiable(q, k, v, *, deterministic, return_lse, return_randval, **kwargs):
+    """The autograd path shared by ``attention`` and ``attention_varlen``."""
+    inputs = check_inputs(q, k, v, **kwargs)
+    philox = None
+    if inputs.dropout_p > 0:
+        philox = ops.philox_seed_offset(inputs.seed, inputs.offset, q.device)
+    out, lse, randval = AttentionFunction.apply(
+        q, k, v, kwargs.get("bias"), inputs, philox, bool(deterministic), bool(return_randval))
     if return_lse or return_randval:
-        return AttentionOutput(res.out, res.lse if return_lse else None, res.randval)
-    return res.out
+        return AttentionOutput(out, lse if return_lse else None, randval)
+    return out
 
 
 def attention(
@@ -113,12 +121,12 @@ def attention(
     Returns ``out [B, Sq, Hq, Dv]``, or ``(out, lse, randval)`` when either is asked for.
     ``deterministic`` selects the backward's fixed-order dQ reduction.
     """
-    res = fwd(
+    return _differentiable(
         q, k, v, scale=scale, mask=mask, bias=bias, alibi_slopes=alibi_slopes,
         dropout_p=dropout_p, seed=seed, offset=offset, cu_seqlen_q=cu_seqlen_q,
-        cu_seqlen_k=cu_seqlen_k, return_lse=return_lse, return_randval=return_randval,
+        cu_seqlen_k=cu_seqlen_k, deterministic=deterministic, return_lse=return_lse,
+        return_randval=return_randval,
     )
-    return _result(res, return_lse, return_randval)
 
 
 def attention_varlen(
@@ -151,11 +159,75 @@ def attention_varlen(
     when sequences are padded. Masks, ALiBi and dropout use each sequence's local indices.
     Passing ``max_seqlen_q``/``max_seqlen_k`` lets tracing skip reading the seqstarts.
     """
-    res = fwd(
+    return _differentiable(
         q, k, v, scale=scale, mask=mask, bias=bias, alibi_slopes=alibi_slopes,
         dropout_p=dropout_p, seed=seed, offset=offset, seqstart_q=seqstart_q,
         seqstart_k=seqstart_k, seqlen_k=seqlen_k, seqstart_padded_q=seqstart_padded_q,
         seqstart_padded_k=seqstart_padded_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, return_lse=return_lse, return_randval=return_randval,
+        max_seqlen_k=max_seqlen_k, deterministic=deterministic, return_lse=return_lse,
+        return_randval=return_randval,
     )
-    return _result(res, return_lse, return_randval)
+
+
+class AttentionGrads(NamedTuple):
+    """Gradients of q, k, v (in their shapes) and of the bias (in its own shape, else ``None``)."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dbias: torch.Tensor | None
+
+
+def bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    scale: float | None = None,
+    mask: MaskLike = None,
+    bias: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    seed: int | torch.Tensor | None = None,
+    offset: int | torch.Tensor | None = None,
+    deterministic: bool = False,
+    cu_seqlen_q: torch.Tensor | None = None,
+    cu_seqlen_k: torch.Tensor | None = None,
+    seqstart_q: torch.Tensor | None = None,
+    seqstart_k: torch.Tensor | None = None,
+    seqlen_k: torch.Tensor | None = None,
+    seqstart_padded_q: torch.Tensor | None = None,
+    seqstart_padded_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+) -> AttentionGrads:
+    """Backward attention without autograd: ``(dq, dk, dv, dbias)`` from ``fwd``'s ``out``/``lse``.
+
+    Takes the forward's keywords; with dropout, ``seed`` and ``offset`` must be the forward's
+    (the backward regenerates the same bytes). ``dbias`` is returned when ``bias`` is given,
+    summed to the bias's own shape. ``deterministic=True`` gives bitwise-repeatable gradients.
+    """
+    inputs = check_inputs(
+        q, k, v, scale=scale, mask=mask, bias=bias, alibi_slopes=alibi_slopes,
+        dropout_p=dropout_p, seed=seed, offset=offset, cu_seqlen_q=cu_seqlen_q,
+        cu_seqlen_k=cu_seqlen_k, seqstart_q=seqstart_q, seqstart_k=seqstart_k, seqlen_k=seqlen_k,
+        seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=seqstart_padded_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+    )
+    for name, t, shape, dtype in (("dout", dout, inputs.out_shape, q.dtype), ("out", out, inputs.out_shape, q.dtype),
+                                  ("lse", lse, inputs.lse_shape, torch.float32)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{name}: expected a tensor of shape {tuple(shape)}, got {getattr(t, 'shape', t)}")
+        if t.dtype != dtype or t.device != q.device:
+            raise ValueError(f"{name}: expected {dtype} on {q.device}, got {t.dtype} on {t.device}")
+    philox = None
+    if inputs.dropout_p > 0:
+        if inputs.seed is None or inputs.offset is None:
+            raise ValueError("seed/offset: expected the forward's dropout seed and offset, got None")
+        philox = ops.philox_seed_offset(inputs.seed, inputs.offset, q.device)
+    dout, out, lse = (t if t.stride(-1) == 1 else t.contiguous() for t in (dout, out, lse))
+    return AttentionGrads(*ops.bwd(inputs, dout, out, lse, philox=philox, deterministic=deterministic,
+                                   bias_grad=bias is not None))

@@ -47,6 +47,47 @@ def head_dim_block(head_dim: int) -> int:
 def fwd_config(dtype: torch.dtype, head_dim_q: int, head_dim_v: int) -> TileConfig:
     if INTERPRET:
         return INTERPRETER_CONFIG
-    kind = "fp32" if dtype == torch.float32 else "half"
     bucket = max(head_dim_block(head_dim_q), head_dim_block(head_dim_v))
-    return FWD_CONFIGS[(kind, bucket)]
+    return FWD_CONFIGS[(_kind(dtype), bucket)]
+
+
+def _kind(dtype: torch.dtype) -> str:
+    """fp16 and bf16 share tiles; fp32 and fp64 (CUDA-core math) share the small ones."""
+    return "fp32" if dtype in (torch.float32, torch.float64) else "half"
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Tiles of the dK/dV kernel (``block_m`` queries x ``block_n`` keys) and of the dQ kernel."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    block_m_dq: int
+    block_n_dq: int
+    num_warps_dq: int
+    num_stages_dq: int
+
+
+INTERPRETER_BWD_CONFIG = BwdConfig(32, 16, 1, 1, 32, 16, 1, 1)
+
+BWD_CONFIGS: dict[tuple[str, int], BwdConfig] = {
+    ("half", 16): BwdConfig(32, 128, 4, 3, 128, 32, 4, 3),
+    ("half", 32): BwdConfig(32, 128, 4, 3, 128, 32, 4, 3),
+    ("half", 64): BwdConfig(32, 128, 4, 3, 128, 32, 4, 3),
+    ("half", 128): BwdConfig(32, 128, 4, 3, 128, 32, 4, 3),
+    ("half", 256): BwdConfig(32, 64, 4, 2, 64, 32, 4, 2),
+    ("fp32", 16): BwdConfig(32, 32, 4, 1, 32, 32, 4, 1),
+    ("fp32", 32): BwdConfig(32, 32, 4, 1, 32, 32, 4, 1),
+    ("fp32", 64): BwdConfig(32, 32, 4, 1, 32, 32, 4, 1),
+    ("fp32", 128): BwdConfig(32, 32, 4, 1, 32, 32, 4, 1),
+    ("fp32", 256): BwdConfig(32, 16, 4, 1, 32, 16, 4, 1),
+}
+
+
+def bwd_config(dtype: torch.dtype, head_dim_q: int, head_dim_v: int) -> BwdConfig:
+    if INTERPRET:
+        return INTERPRETER_BWD_CONFIG
+    bucket = max(head_dim_block(head_dim_q), head_dim_block(head_dim_v))
+    return BWD_CONFIGS[(_kind(dtype), bucket)]

@@ -13,7 +13,8 @@ import torch
 
 from .masks import Mask, MaskLike, parse_mask
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# float64 exists for gradcheck and as a high-precision oracle; it is slow on GPUs.
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
 
 
@@ -35,6 +36,8 @@ class AttentionInputs:
     scale: float
     mask: Mask
     bias: torch.Tensor | None  # batch [B, Hq, Sq, Sk], group [Hq, total_q, max_seqlen_k] (expanded)
+    bias_shape: tuple[int, ...] | None  # the bias as given, before broadcasting (dbias has it)
+    bias_dtype: torch.dtype | None
     alibi_slopes: torch.Tensor | None  # [B, Hq] fp32 (expanded)
     dropout_p: float
     seed: int | torch.Tensor | None
@@ -119,7 +122,7 @@ def _check_head_tensor(name: str, t, rank: int, dtype: torch.dtype | None, devic
         layout = "[B, S, H, D]" if rank == 4 else "[total, H, D]"
         raise _fail(name, f"a {rank}-D tensor {layout}", _describe(t))
     if dtype is None and t.dtype not in SUPPORTED_DTYPES:
-        raise _fail(name, "dtype float16, bfloat16 or float32", t.dtype)
+        raise _fail(name, "dtype float16, bfloat16, float32 or float64", t.dtype)
     if dtype is not None and t.dtype != dtype:
         raise _fail(name, f"dtype {dtype} (as q)", t.dtype)
     if device is not None and t.device != device:
@@ -247,7 +250,7 @@ def check_inputs(
         inputs.update(seqstart_q=seqstart_q, seqstart_k=seqstart_k, seqlen_k=seqlen_k,
                       seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=seqstart_padded_k,
                       lse_rows=lse_rows)
-        bias_shape = (nhead_q, total_q, int(max_seqlen_k))
+        bias_target = (nhead_q, total_q, int(max_seqlen_k))
     else:
         for name, value in (("seqlen_k", seqlen_k), ("seqstart_padded_q", seqstart_padded_q),
                             ("seqstart_padded_k", seqstart_padded_k)):
@@ -268,8 +271,9 @@ def check_inputs(
                     raise _fail(name, f"prefix sums from 0 of lengths in [0, {full}]", starts)
         inputs.update(cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)
         max_seqlen_q, max_seqlen_k = seqlen_q_full, seqlen_k_full
-        bias_shape = (batch, nhead_q, seqlen_q_full, seqlen_k_full)
+        bias_target = (batch, nhead_q, seqlen_q_full, seqlen_k_full)
 
+    bias_shape = bias_dtype = None
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
             raise _fail("bias", "a torch.Tensor", type(bias).__name__)
@@ -277,12 +281,14 @@ def check_inputs(
             raise _fail("bias", f"dtype {dtype} (as q) or torch.float32", bias.dtype)
         if bias.device != device:
             raise _fail("bias", f"a tensor on {device} (where q is)", f"one on {bias.device}")
+        bias_given, bias_dtype = tuple(bias.shape), bias.dtype
         try:
-            if bias.dim() > len(bias_shape):
+            if bias.dim() > len(bias_target):
                 raise RuntimeError
-            bias = bias.expand(bias_shape)
+            bias = bias.expand(bias_target)
         except RuntimeError:
-            raise _fail("bias", f"a shape that broadcasts to {bias_shape}", tuple(bias.shape)) from None
+            raise _fail("bias", f"a shape that broadcasts to {bias_target}", tuple(bias.shape)) from None
+        bias_shape = bias_given
     if alibi_slopes is not None:
         if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
             raise _fail("alibi_slopes", "a float32 tensor", getattr(alibi_slopes, "dtype", alibi_slopes))
@@ -292,4 +298,5 @@ def check_inputs(
             raise _fail("alibi_slopes", f"shape ({nhead_q},) or ({batch}, {nhead_q})", tuple(alibi_slopes.shape))
         alibi_slopes = alibi_slopes.expand(batch, nhead_q)
     return AttentionInputs(batch=batch, max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
-                           bias=bias, alibi_slopes=alibi_slopes, **inputs)
+                           bias=bias, bias_shape=bias_shape, bias_dtype=bias_dtype,
+                           alibi_slopes=alibi_slopes, **inputs)

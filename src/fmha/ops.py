@@ -7,12 +7,16 @@ import math
 import torch
 import triton
 
-from .configs import fwd_config, head_dim_block
+from .configs import bwd_config, fwd_config, head_dim_block
 from .inputs import AttentionInputs
 from .kernels import INTERPRET
+from .kernels.bwd_convert_dq import attention_bwd_convert_dq_kernel
+from .kernels.bwd_dot_do_o import attention_bwd_dot_do_o_kernel
+from .kernels.bwd_dq_dk_dv import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
 from .kernels.fwd import attention_fwd_kernel
 from .masks import MaskType
 
+LOG2E = 1.4426950408889634
 
 
 def _signed64(value: int) -> int:
@@ -69,8 +73,8 @@ def fwd(
     return_randval: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launch the forward kernel. ``philox`` is the int64 (seed, offset) pair when dropout is on."""
-    q, k, v = inputs.q, inputs.k, inputs.v
-    device, group = q.device, inputs.group
+    q = inputs.q
+    device = q.device
     if out is None:
         alloc = torch.zeros if inputs.has_padding_q else torch.empty
         out = alloc(inputs.out_shape, dtype=q.dtype, device=device)
@@ -82,45 +86,28 @@ def fwd(
     randval = None
     if has_dropout and return_randval:
         randval = torch.zeros(inputs.randval_shape, dtype=torch.uint8, device=device)
-    if has_dropout and philox is None:
-        raise ValueError("philox: expected the (seed, offset) tensor when dropout_p > 0, got None")
-
     grid, kwargs = fwd_kernel_args(inputs, out, lse, randval, philox)
     if grid[0] > 0:
         attention_fwd_kernel[grid](**kwargs)
     return out, lse if return_lse else None, randval
 
 
-def fwd_kernel_args(
-    inputs: AttentionInputs,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    randval: torch.Tensor | None,
-    philox: torch.Tensor | None,
-) -> tuple[tuple[int], dict]:
-    """Grid and keyword arguments of ``attention_fwd_kernel`` for one problem."""
+def _problem_args(inputs: AttentionInputs, philox: torch.Tensor | None) -> dict:
+    """Kernel arguments every phase shares: sequences, strides of q/k/v/bias, mask, ALiBi, dropout."""
     q, k, v = inputs.q, inputs.k, inputs.v
     group = inputs.group
-    has_dropout = inputs.dropout_p > 0
-    cfg = fwd_config(q.dtype, inputs.head_dim_q, inputs.head_dim_v)
-    num_m_blocks = triton.cdiv(inputs.max_seqlen_q, cfg.block_m)
-    grid = (num_m_blocks * inputs.nhead_q * inputs.batch,)
-
     bias = inputs.bias
     bias_strides = (0, 0, 0, 0)
     if bias is not None:
         bias_strides = (0, *bias.stride()) if group else tuple(bias.stride())
     alibi = inputs.alibi_slopes
-    randval_strides = (0, 0, 0)
-    if randval is not None:
-        randval_strides = (0, randval.stride(0), randval.stride(1)) if group else randval.stride()[:3]
-    lse_strides = (0, lse.stride(0)) if group else (lse.stride(0), lse.stride(1))
     mode, alibi_from_bottom_right = alibi_mode(inputs)
     mask = inputs.mask
-    upcast = INTERPRET and q.dtype == torch.bfloat16
-
-    kwargs = dict(
-        Q=q, K=k, V=v, Out=out, Lse=lse, Bias=bias, AlibiSlopes=alibi, RandVal=randval,
+    has_dropout = inputs.dropout_p > 0
+    if has_dropout and philox is None:
+        raise ValueError("philox: expected the (seed, offset) tensor when dropout_p > 0, got None")
+    return dict(
+        Q=q, K=k, V=v, Bias=bias, AlibiSlopes=alibi,
         PhiloxSeedOffset=philox if has_dropout else None,
         SeqstartQ=inputs.seqstart_q, SeqstartK=inputs.seqstart_k, SeqlenK=inputs.seqlen_k,
         SeqstartPaddedQ=inputs.seqstart_padded_q, SeqstartPaddedK=inputs.seqstart_padded_k,
@@ -128,29 +115,22 @@ def fwd_kernel_args(
         **_named("q", _row_strides(q, group)),
         **_named("k", _row_strides(k, group)),
         **_named("v", _row_strides(v, group)),
-        **_named("o", _row_strides(out, group)),
-        stride_lb=lse_strides[0], stride_lh=lse_strides[1],
         stride_bb=bias_strides[0], stride_bh=bias_strides[1],
         stride_bs=bias_strides[2], stride_bk=bias_strides[3],
         stride_ab=alibi.stride(0) if alibi is not None else 0,
         stride_ah=alibi.stride(1) if alibi is not None else 0,
-        stride_rb=randval_strides[0], stride_rh=randval_strides[1], stride_rs=randval_strides[2],
         seqlen_q=q.shape[1] if not group else 0,
         seqlen_k=k.shape[1] if not group else 0,
         nhead_q=inputs.nhead_q,
         head_ratio=inputs.nhead_q // inputs.nhead_k,
-        num_m_blocks=num_m_blocks,
-        qk_scale=inputs.scale * 1.4426950408889634,
+        qk_scale=inputs.scale * LOG2E,
         window_left=mask.left,
         window_right=mask.right,
         mask_bottom_right=int(mask.type == MaskType.BOTTOM_RIGHT),
         alibi_bottom_right=alibi_from_bottom_right,
         drop_threshold=dropout_threshold(inputs.dropout_p),
-        drop_rescale=1.0 / (1.0 - inputs.dropout_p),
         HEAD_DIM_Q=inputs.head_dim_q,
         HEAD_DIM_V=inputs.head_dim_v,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
         BLOCK_DQ=head_dim_block(inputs.head_dim_q),
         BLOCK_DV=head_dim_block(inputs.head_dim_v),
         IS_GROUP=group,
@@ -162,9 +142,44 @@ def fwd_kernel_args(
         HAS_BIAS=bias is not None,
         ALIBI_MODE=mode,
         HAS_DROPOUT=has_dropout,
+        UPCAST=INTERPRET and q.dtype == torch.bfloat16,
+        DOT_PRECISION="ieee" if q.dtype in (torch.float32, torch.float64) else "tf32",
+    )
+
+
+def _lse_strides(lse: torch.Tensor, group: bool) -> dict[str, int]:
+    """(batch, head) strides of an LSE-shaped ``[B, Hq, Sq]`` or ``[Hq, rows]`` tensor (rows stride 1)."""
+    if group:
+        return dict(stride_lb=0, stride_lh=lse.stride(0))
+    return dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1))
+
+
+def fwd_kernel_args(
+    inputs: AttentionInputs,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    randval: torch.Tensor | None,
+    philox: torch.Tensor | None,
+) -> tuple[tuple[int], dict]:
+    """Grid and keyword arguments of ``attention_fwd_kernel`` for one problem."""
+    group = inputs.group
+    cfg = fwd_config(inputs.q.dtype, inputs.head_dim_q, inputs.head_dim_v)
+    num_m_blocks = triton.cdiv(inputs.max_seqlen_q, cfg.block_m)
+    grid = (num_m_blocks * inputs.nhead_q * inputs.batch,)
+    randval_strides = (0, 0, 0)
+    if randval is not None:
+        randval_strides = (0, randval.stride(0), randval.stride(1)) if group else randval.stride()[:3]
+    kwargs = dict(
+        **_problem_args(inputs, philox),
+        Out=out, Lse=lse, RandVal=randval,
+        **_named("o", _row_strides(out, group)),
+        **_lse_strides(lse, group),
+        stride_rb=randval_strides[0], stride_rh=randval_strides[1], stride_rs=randval_strides[2],
+        num_m_blocks=num_m_blocks,
+        drop_rescale=1.0 / (1.0 - inputs.dropout_p),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
         STORE_RANDVAL=randval is not None,
-        UPCAST=upcast,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -174,3 +189,99 @@ def fwd_kernel_args(
 def _named(prefix: str, strides: tuple[int, int, int]) -> dict[str, int]:
     return {f"stride_{prefix}b": strides[0], f"stride_{prefix}s": strides[1], f"stride_{prefix}h": strides[2]}
 
+
+def bwd(
+    inputs: AttentionInputs,
+    dout: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    philox: torch.Tensor | None = None,
+    deterministic: bool = False,
+    bias_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Launch the backward kernels; returns ``(dq, dk, dv, dbias)``.
+
+    ``dbias`` (when ``bias_grad``) is the true gradient reduced to the bias's own shape. Atomic
+    mode accumulates dQ in an fp32 buffer shaped like q; deterministic mode computes dQ in
+    programs that own their query tile and needs no workspace.
+    """
+    q, k, v = inputs.q, inputs.k, inputs.v
+    group = inputs.group
+    device = q.device
+    padded_q = inputs.has_padding_q
+    padded_k = group or inputs.cu_seqlen_k is not None
+    dq = (torch.zeros if padded_q else torch.empty)(q.shape, dtype=q.dtype, device=device)
+    dk = (torch.zeros if padded_k else torch.empty)(k.shape, dtype=k.dtype, device=device)
+    dv = (torch.zeros if padded_k else torch.empty)(v.shape, dtype=v.dtype, device=device)
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dbias_full = None
+    if bias_grad:
+        dbias_full = torch.zeros(inputs.bias.shape, dtype=acc_dtype, device=device)
+    if inputs.batch * inputs.nhead_q == 0 or inputs.max_seqlen_q == 0:
+        return dq, dk, dv, _reduce_dbias(inputs, dbias_full)
+
+    cfg = bwd_config(q.dtype, inputs.head_dim_q, inputs.head_dim_v)
+    common = _problem_args(inputs, philox)
+    keep = 1.0 - inputs.dropout_p
+    rescale = 1.0 / keep
+
+    # D = (1 - p) * rowsum(dO * O), laid out like LSE.
+    delta = torch.empty_like(lse)
+    num_m_blocks = triton.cdiv(inputs.max_seqlen_q, cfg.block_m_dq)
+    grid_q = (num_m_blocks * inputs.nhead_q * inputs.batch,)
+    attention_bwd_dot_do_o_kernel[grid_q](
+        Out=out, DOut=dout, Delta=delta, SeqstartQ=inputs.seqstart_q,
+        SeqstartPaddedQ=inputs.seqstart_padded_q, CuSeqlenQ=inputs.cu_seqlen_q,
+        **_named("o", _row_strides(out, group)), **_named("do", _row_strides(dout, group)),
+        **_lse_strides(lse, group), seqlen_q=common["seqlen_q"], nhead_q=inputs.nhead_q,
+        num_m_blocks=num_m_blocks, p_keep=keep, HEAD_DIM_V=inputs.head_dim_v,
+        BLOCK_M=cfg.block_m_dq, BLOCK_DV=common["BLOCK_DV"], IS_GROUP=group,
+        HAS_PADDED_Q=common["HAS_PADDED_Q"], HAS_CU_SEQLEN_Q=common["HAS_CU_SEQLEN_Q"],
+    )
+
+    dq_acc = dq if deterministic else torch.zeros(q.shape, dtype=acc_dtype, device=device)
+    dbias_strides = (0, 0, 0, 0)
+    if dbias_full is not None:
+        dbias_strides = (0, *dbias_full.stride()) if group else dbias_full.stride()
+    num_n_blocks = triton.cdiv(inputs.max_seqlen_k, cfg.block_n)
+    grid_k = (num_n_blocks * inputs.nhead_k * inputs.batch,)
+    attention_bwd_dkdv_kernel[grid_k](
+        **common, DOut=dout, Lse=lse, Delta=delta, DQAcc=dq_acc, DK=dk, DV=dv, DBias=dbias_full,
+        **_named("do", _row_strides(dout, group)), **_lse_strides(lse, group),
+        **_named("dq", _row_strides(dq_acc, group)), **_named("dk", _row_strides(dk, group)),
+        **_named("dv", _row_strides(dv, group)),
+        stride_dbb=dbias_strides[0], stride_dbh=dbias_strides[1],
+        stride_dbs=dbias_strides[2], stride_dbk=dbias_strides[3],
+        nhead_k=inputs.nhead_k, num_n_blocks=num_n_blocks,
+        dq_scale=inputs.scale * rescale, dk_scale=inputs.scale * rescale, dv_scale=rescale,
+        drop_rescale=rescale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        STORE_DBIAS=dbias_full is not None, ATOMIC_DQ=not deterministic,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if deterministic:
+        attention_bwd_dq_kernel[grid_q](
+            **common, DOut=dout, Lse=lse, Delta=delta, DQ=dq,
+            **_named("do", _row_strides(dout, group)), **_lse_strides(lse, group),
+            **_named("dq", _row_strides(dq, group)),
+            num_m_blocks=num_m_blocks, dq_scale=inputs.scale * rescale,
+            BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq,
+            num_warps=cfg.num_warps_dq, num_stages=cfg.num_stages_dq,
+        )
+    else:
+        attention_bwd_convert_dq_kernel[grid_q](
+            DQAcc=dq_acc, DQ=dq, SeqstartQ=inputs.seqstart_q, SeqstartPaddedQ=inputs.seqstart_padded_q,
+            CuSeqlenQ=inputs.cu_seqlen_q, **_named("a", _row_strides(dq_acc, group)),
+            **_named("dq", _row_strides(dq, group)), seqlen_q=common["seqlen_q"],
+            nhead_q=inputs.nhead_q, num_m_blocks=num_m_blocks, HEAD_DIM_Q=inputs.head_dim_q,
+            BLOCK_M=cfg.block_m_dq, BLOCK_DQ=common["BLOCK_DQ"], IS_GROUP=group,
+            HAS_PADDED_Q=common["HAS_PADDED_Q"], HAS_CU_SEQLEN_Q=common["HAS_CU_SEQLEN_Q"],
+        )
+    return dq, dk, dv, _reduce_dbias(inputs, dbias_full)
+
+
+def _reduce_dbias(inputs: AttentionInputs, dbias_full: torch.Tensor | None) -> torch.Tensor | None:
+    """Sum the per-(batch, head, row, key) gradient over the bias's broadcast dims (fixed order)."""
+    if dbias_full is None:
+        return None
+    return dbias_full.sum_to_size(inputs.bias_shape).to(inputs.bias_dtype)

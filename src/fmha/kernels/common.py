@@ -81,19 +81,18 @@ def window_bounds(sq, sk, window_left, window_right, mask_bottom_right):
 
 
 @triton.jit
-def visible(offs_m, offs_n, sk, diag, left, right):
-    """Boolean tile: key ``offs_n`` exists and lies in the window of row ``offs_m``."""
-    rel = offs_n[None, :] - offs_m[:, None] - diag
-    return (offs_n[None, :] < sk) & (rel >= -left) & (rel <= right)
+def visible(i, j, sk, diag, left, right):
+    """Whether key ``j`` exists and lies in the window of row ``i`` (broadcastable index tensors)."""
+    rel = j - i - diag
+    return (j < sk) & (rel >= -left) & (rel <= right)
 
 
 @triton.jit
-def alibi_log2(slope_log2, offs_m, offs_n, alibi_diag, ALIBI_MODE: tl.constexpr):
-    """ALiBi term in log2 units (slope already multiplied by log2(e))."""
+def alibi_log2(slope_log2, i, j, alibi_diag, ALIBI_MODE: tl.constexpr):
+    """ALiBi term in log2 units (slope already multiplied by log2(e)) for rows ``i``, keys ``j``."""
     if ALIBI_MODE == ALIBI_VERTICAL:
-        return slope_log2 * offs_n[None, :].to(tl.float32) + tl.zeros_like(offs_m)[:, None].to(tl.float32)
-    dist = tl.abs(offs_m[:, None] + alibi_diag - offs_n[None, :])
-    return -slope_log2 * dist.to(tl.float32)
+        return slope_log2 * (j + 0 * i).to(tl.float32)
+    return -slope_log2 * tl.abs(i + alibi_diag - j).to(tl.float32)
 
 
 @triton.jit

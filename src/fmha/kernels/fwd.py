@@ -66,6 +66,7 @@ def _fwd_tile(
     STORE_RANDVAL: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     key_ok = offs_n < sk
@@ -79,18 +80,18 @@ def _fwd_tile(
         k = tl.load(k_ptrs, mask=dq_ok[:, None], other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+    s = tl.dot(q, k, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE) * qk_scale
     if HAS_BIAS:
         bias_ptrs = bias_base + tl.cast(start_n, tl.int64) * stride_bk + bias_offs
         if EDGE:
             bias = tl.load(bias_ptrs, mask=key_ok[None, :], other=0.0)
         else:
             bias = tl.load(bias_ptrs)
-        s += bias.to(tl.float32) * LOG2E
+        s += bias.to(ACC_DTYPE) * LOG2E
     if ALIBI_MODE != ALIBI_NONE:
-        s += alibi_log2(slope_log2, offs_m, offs_n, alibi_diag, ALIBI_MODE)
+        s += alibi_log2(slope_log2, offs_m[:, None], offs_n[None, :], alibi_diag, ALIBI_MODE)
     if EDGE:
-        s = tl.where(visible(offs_m, offs_n, sk, diag, left, right), s, float("-inf"))
+        s = tl.where(visible(offs_m[:, None], offs_n[None, :], sk, diag, left, right), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     if EDGE or HAS_BIAS:
         # A row with nothing visible yet keeps m = -inf; exponentiate against 0 instead.
@@ -115,7 +116,7 @@ def _fwd_tile(
         v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
     if UPCAST:
         v = v.to(tl.float32)
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
     return acc, l_i, m_new
 
 
@@ -197,6 +198,8 @@ def attention_fwd_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    # float64 inputs accumulate in float64 (for gradcheck); everything else in float32.
+    ACC_DTYPE: tl.constexpr = tl.float64 if Q.dtype.element_ty == tl.float64 else tl.float32
     pid = tl.program_id(0)
     m_block = pid % num_m_blocks
     bh_index = pid // num_m_blocks
@@ -280,16 +283,16 @@ def attention_fwd_kernel(
     edge_before = tl.cdiv(split_lo - tile_lo, BLOCK_N)
     edge_tiles = edge_before + tl.cdiv(kv_hi - split_hi, BLOCK_N)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC_DTYPE)
+    l_i = tl.zeros([BLOCK_M], dtype=ACC_DTYPE)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=ACC_DTYPE)
     for start_n in range(split_lo, split_hi, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(
             acc, l_i, m_i, q, start_n, k_base, v_base, k_offs, v_offs, bias_base, bias_offs,
             randval_base, randval_offs, offs_m, m0, sq, sk, diag, left, right, qk_scale, slope_log2,
             alibi_diag, seed, offset, bh_index, drop_threshold, stride_ks, stride_vs, stride_bk,
             dq_ok, dv_ok, BLOCK_M, BLOCK_N, False, EVEN_DQ, EVEN_DV, HAS_BIAS, ALIBI_MODE,
-            HAS_DROPOUT, STORE_RANDVAL, UPCAST, DOT_PRECISION,
+            HAS_DROPOUT, STORE_RANDVAL, UPCAST, DOT_PRECISION, ACC_DTYPE,
         )
     # Edge tiles on both sides of the interior, in one loop (softmax order does not matter).
     for t in range(0, edge_tiles):
@@ -299,7 +302,7 @@ def attention_fwd_kernel(
             randval_base, randval_offs, offs_m, m0, sq, sk, diag, left, right, qk_scale, slope_log2,
             alibi_diag, seed, offset, bh_index, drop_threshold, stride_ks, stride_vs, stride_bk,
             dq_ok, dv_ok, BLOCK_M, BLOCK_N, True, EVEN_DQ, EVEN_DV, HAS_BIAS, ALIBI_MODE,
-            HAS_DROPOUT, STORE_RANDVAL, UPCAST, DOT_PRECISION,
+            HAS_DROPOUT, STORE_RANDVAL, UPCAST, DOT_PRECISION, ACC_DTYPE,
         )
 
     # Empty rows (l = 0) give O = 0 and LSE = -inf.
@@ -315,4 +318,4 @@ def attention_fwd_kernel(
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
     lse = tl.where(empty_row, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     lse_ptrs = Lse + b64 * stride_lb + h64 * stride_lh + lse_row0 + offs_m
-    tl.store(lse_ptrs, lse, mask=row_ok)
+    tl.store(lse_ptrs, lse.to(tl.float32), mask=row_ok)

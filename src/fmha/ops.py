@@ -75,9 +75,12 @@ def fwd(
     """Launch the forward kernel. ``philox`` is the int64 (seed, offset) pair when dropout is on."""
     q = inputs.q
     device = q.device
+    # The kernel writes only the rows of sequences; padding rows are returned as zeros.
     if out is None:
         alloc = torch.zeros if inputs.has_padding_q else torch.empty
         out = alloc(inputs.out_shape, dtype=q.dtype, device=device)
+    elif inputs.has_padding_q:
+        out.zero_()
     # LSE is always written (it costs one float per row); callers that did not ask get None.
     lse = torch.empty(inputs.lse_shape, dtype=torch.float32, device=device)
     if inputs.has_padding_q:

@@ -35,6 +35,7 @@ def _dkdv_tile(
     k,
     v,
     m0,
+    n0,
     q_base,
     do_base,
     lse_base,
@@ -86,17 +87,25 @@ def _dkdv_tile(
     row_ok = offs_m < sq
     dq_ok = offs_dq < HEAD_DIM_Q
     dv_ok = offs_dv < HEAD_DIM_V
-    rows = offs_m.to(tl.int64)
-    q_ptrs = q_base + rows[:, None] * stride_qs + offs_dq[None, :]
-    do_ptrs = do_base + rows[:, None] * stride_dos + offs_dv[None, :]
+    # 64-bit tile origins, 32-bit offsets inside the tile (fewer live registers).
+    m64 = tl.cast(m0, tl.int64)
+    local_m = tl.arange(0, BLOCK_M)
+    q_ptrs = q_base + m64 * stride_qs + (local_m[:, None] * stride_qs + offs_dq[None, :])
+    do_ptrs = do_base + m64 * stride_dos + (local_m[:, None] * stride_dos + offs_dv[None, :])
     if EDGE:
         q = tl.load(q_ptrs, mask=row_ok[:, None] & dq_ok[None, :], other=0.0)
         do = tl.load(do_ptrs, mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
         lse = tl.load(lse_base + offs_m, mask=row_ok, other=0.0)
         delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
     else:
-        q = tl.load(q_ptrs, mask=dq_ok[None, :], other=0.0)
-        do = tl.load(do_ptrs, mask=dv_ok[None, :], other=0.0)
+        if BLOCK_DQ == HEAD_DIM_Q:
+            q = tl.load(q_ptrs)
+        else:
+            q = tl.load(q_ptrs, mask=dq_ok[None, :], other=0.0)
+        if BLOCK_DV == HEAD_DIM_V:
+            do = tl.load(do_ptrs)
+        else:
+            do = tl.load(do_ptrs, mask=dv_ok[None, :], other=0.0)
         lse = tl.load(lse_base + offs_m)
         delta = tl.load(delta_base + offs_m)
     if UPCAST:
@@ -110,7 +119,8 @@ def _dkdv_tile(
     i = offs_m[None, :]
     j = offs_n[:, None]
     if HAS_BIAS:
-        bias_ptrs = bias_base + i.to(tl.int64) * stride_bs + j * stride_bk
+        bias_ptrs = (bias_base + m64 * stride_bs + tl.cast(n0, tl.int64) * stride_bk
+                     + (local_m[None, :] * stride_bs + tl.arange(0, BLOCK_N)[:, None] * stride_bk))
         if EDGE:
             bias = tl.load(bias_ptrs, mask=(j < sk) & (i < sq), other=0.0)
         else:
@@ -132,11 +142,12 @@ def _dkdv_tile(
     ds_t = p_t * (dp_t - delta[None, :])  # (1 - p) * the true dS^T
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
     if STORE_DBIAS:
-        dbias_ptrs = dbias_base + i.to(tl.int64) * stride_dbs + j * stride_dbk
+        dbias_ptrs = (dbias_base + m64 * stride_dbs + tl.cast(n0, tl.int64) * stride_dbk
+                      + (local_m[None, :] * stride_dbs + tl.arange(0, BLOCK_N)[:, None] * stride_dbk))
         tl.store(dbias_ptrs, ds_t * drop_rescale, mask=(i < sq) & (j < sk))
     if ATOMIC_DQ:
         dq = tl.dot(tl.trans(ds_t).to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE) * dq_scale
-        dq_ptrs = dq_base + rows[:, None] * stride_dqs + offs_dq[None, :]
+        dq_ptrs = dq_base + m64 * stride_dqs + (local_m[:, None] * stride_dqs + offs_dq[None, :])
         tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None] & dq_ok[None, :], sem="relaxed")
     return dk, dv
 
@@ -319,7 +330,7 @@ def attention_bwd_dkdv_kernel(
         bh_index = b * nhead_q + h
         for m0 in range(split_lo, split_hi, BLOCK_M):
             dk, dv = _dkdv_tile(
-                dk, dv, k, v, m0, q_base, do_base, lse_base, delta_base, dq_base, bias_base,
+                dk, dv, k, v, m0, n0, q_base, do_base, lse_base, delta_base, dq_base, bias_base,
                 dbias_base, offs_n, sq, sk, diag, left, right, qk_scale, dq_scale, slope_log2,
                 alibi_diag, seed, offset, bh_index, drop_threshold, drop_rescale, stride_qs, stride_dos,
                 stride_dqs, stride_bs, stride_bk, stride_dbs, stride_dbk, BLOCK_M, BLOCK_N,
@@ -329,7 +340,7 @@ def attention_bwd_dkdv_kernel(
         for t in range(0, edge_tiles):
             m0 = tl.where(t < edge_before, tile_lo + t * BLOCK_M, split_hi + (t - edge_before) * BLOCK_M)
             dk, dv = _dkdv_tile(
-                dk, dv, k, v, m0, q_base, do_base, lse_base, delta_base, dq_base, bias_base,
+                dk, dv, k, v, m0, n0, q_base, do_base, lse_base, delta_base, dq_base, bias_base,
                 dbias_base, offs_n, sq, sk, diag, left, right, qk_scale, dq_scale, slope_log2,
                 alibi_diag, seed, offset, bh_index, drop_threshold, drop_rescale, stride_qs, stride_dos,
                 stride_dqs, stride_bs, stride_bk, stride_dbs, stride_dbk, BLOCK_M, BLOCK_N,
@@ -390,15 +401,22 @@ def _dq_tile(
     offs_dq = tl.arange(0, BLOCK_DQ)
     offs_dv = tl.arange(0, BLOCK_DV)
     key_ok = offs_n < sk
-    rows = offs_n.to(tl.int64)[:, None]
+    n64 = tl.cast(start_n, tl.int64)
+    local_n = tl.arange(0, BLOCK_N)
+    k_ptrs = k_base + n64 * stride_ks + (local_n[:, None] * stride_ks + offs_dq[None, :])
+    v_ptrs = v_base + n64 * stride_vs + (local_n[:, None] * stride_vs + offs_dv[None, :])
     if EDGE:
-        k = tl.load(k_base + rows * stride_ks + offs_dq[None, :],
-                    mask=key_ok[:, None] & (offs_dq < HEAD_DIM_Q)[None, :], other=0.0)
-        v = tl.load(v_base + rows * stride_vs + offs_dv[None, :],
-                    mask=key_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :], other=0.0)
+        k = tl.load(k_ptrs, mask=key_ok[:, None] & (offs_dq < HEAD_DIM_Q)[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=key_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :], other=0.0)
     else:
-        k = tl.load(k_base + rows * stride_ks + offs_dq[None, :], mask=(offs_dq < HEAD_DIM_Q)[None, :], other=0.0)
-        v = tl.load(v_base + rows * stride_vs + offs_dv[None, :], mask=(offs_dv < HEAD_DIM_V)[None, :], other=0.0)
+        if BLOCK_DQ == HEAD_DIM_Q:
+            k = tl.load(k_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=(offs_dq < HEAD_DIM_Q)[None, :], other=0.0)
+        if BLOCK_DV == HEAD_DIM_V:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=(offs_dv < HEAD_DIM_V)[None, :], other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -406,7 +424,7 @@ def _dq_tile(
     i = offs_m[:, None]
     j = offs_n[None, :]
     if HAS_BIAS:
-        bias_ptrs = bias_base + bias_rows[:, None] * stride_bs + j.to(tl.int64) * stride_bk
+        bias_ptrs = bias_base + n64 * stride_bk + (bias_rows[:, None] * stride_bs + local_n[None, :] * stride_bk)
         if EDGE:
             bias = tl.load(bias_ptrs, mask=j < sk, other=0.0)
         else:

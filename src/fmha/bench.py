@@ -54,9 +54,12 @@ def _inputs(case: Case, device: str):
     return [torch.randn(shape, dtype=dtype, device=device, requires_grad=grad) for _ in range(3)]
 
 
-def _fmha(case: Case, q, k, v):
-    mask = "b" if case.causal else None
-    return lambda: fmha.attention(q, k, v, mask=mask)
+def _fmha(deterministic: bool):
+    def make(case: Case, q, k, v):
+        mask = "b" if case.causal else None
+        return lambda: fmha.attention(q, k, v, mask=mask, deterministic=deterministic)
+
+    return make
 
 
 def _sdpa(backend_name: str):
@@ -83,6 +86,8 @@ def _flex(case: Case, q, k, v):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if _flex_compiled is None:
+        # One compiled kernel per benchmark shape: allow more than dynamo's default 8 recompiles.
+        torch._dynamo.config.recompile_limit = 64
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     block_mask = None
@@ -93,7 +98,8 @@ def _flex(case: Case, q, k, v):
 
 
 PROVIDERS: dict[str, Callable] = {
-    "fmha": _fmha,
+    "fmha": _fmha(False),
+    "fmha_deterministic": _fmha(True),
     "sdpa_cudnn": _sdpa("CUDNN_ATTENTION"),
     "sdpa_flash": _sdpa("FLASH_ATTENTION"),
     "sdpa_efficient": _sdpa("EFFICIENT_ATTENTION"),
@@ -147,9 +153,9 @@ def run(cases: list[Case], providers: list[str], jsonl: str | None = None, log=p
                    "provider": provider, **asdict(case), "batch": case.batch, "nheads": case.nheads,
                    **time_case(case, provider)}
             cell.append(rec)
-        peers = [r["tflops"] for r in cell if r["provider"] != "fmha" and "tflops" in r]
+        peers = [r["tflops"] for r in cell if not r["provider"].startswith("fmha") and "tflops" in r]
         for rec in cell:
-            if rec["provider"] == "fmha" and "tflops" in rec and peers:
+            if rec["provider"].startswith("fmha") and "tflops" in rec and peers:
                 rec["best_peer_tflops"] = max(peers)
                 rec["ratio_to_best_peer"] = rec["tflops"] / max(peers)
         rows.extend(cell)

@@ -672,7 +672,9 @@ def bench_command(args: argparse.Namespace) -> int:
         return 1
     cases = [bench.Case(head_dim=d, seqlen=s, causal=bool(c), direction=args.direction, tokens=args.tokens)
              for d, s, c in itertools.product(args.head_dims, args.seqlens, args.causal)]
-    bench.run(cases, args.providers, jsonl=args.jsonl)
+    providers = args.providers or [p for p in bench.PROVIDERS
+                                   if args.direction == "bwd" or p != "fmha_deterministic"]
+    bench.run(cases, providers, jsonl=args.jsonl)
     return 0
 
 
@@ -698,9 +700,10 @@ def _parser() -> argparse.ArgumentParser:
     timing.add_argument("--head-dims", type=int, nargs="+", default=list(bench.DEFAULT_HEAD_DIMS))
     timing.add_argument("--seqlens", type=int, nargs="+", default=list(bench.DEFAULT_SEQLENS))
     timing.add_argument("--causal", type=int, nargs="+", choices=[0, 1], default=[0, 1])
-    timing.add_argument("--direction", choices=["fwd"], default="fwd")
+    timing.add_argument("--direction", choices=["fwd", "bwd"], default="fwd",
+                        help="bwd times the backward alone (2.5x the forward's FLOPs)")
     timing.add_argument("--providers", nargs="+", choices=list(bench.PROVIDERS),
-                        default=list(bench.PROVIDERS))
+                        help="default: all (fmha_deterministic only with --direction bwd)")
     timing.add_argument("--tokens", type=int, default=16384, help="tokens per batch (b = tokens // seqlen)")
     timing.add_argument("--jsonl", help="append one JSON line per timing to this file")
     return parser

@@ -114,39 +114,41 @@ def _dkdv_tile(
     # Fully masked rows carry LSE = -inf: read it as 0 so that P = exp2(-inf) = 0.
     lse_log2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
 
-    # Scores transposed, [keys, queries]: P^T feeds dV = P^T dO directly.
-    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE) * qk_scale
-    i = offs_m[None, :]
-    j = offs_n[:, None]
+    # Scores [queries, keys]: K and V only ever feed the right-hand side of a product, so they
+    # stay in shared memory across the query loop instead of holding registers.
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE) * qk_scale
+    i = offs_m[:, None]
+    j = offs_n[None, :]
     if HAS_BIAS:
         bias_ptrs = (bias_base + m64 * stride_bs + tl.cast(n0, tl.int64) * stride_bk
-                     + (local_m[None, :] * stride_bs + tl.arange(0, BLOCK_N)[:, None] * stride_bk))
+                     + (local_m[:, None] * stride_bs + tl.arange(0, BLOCK_N)[None, :] * stride_bk))
         if EDGE:
             bias = tl.load(bias_ptrs, mask=(j < sk) & (i < sq), other=0.0)
         else:
             bias = tl.load(bias_ptrs)
-        s_t += bias.to(ACC_DTYPE) * LOG2E
+        s += bias.to(ACC_DTYPE) * LOG2E
     if ALIBI_MODE != ALIBI_NONE:
-        s_t += alibi_log2(slope_log2, i, j, alibi_diag, ALIBI_MODE)
+        s += alibi_log2(slope_log2, i, j, alibi_diag, ALIBI_MODE)
     if EDGE:
-        s_t = tl.where(visible(i, j, sk, diag, left, right) & (i < sq), s_t, float("-inf"))
-    p_t = tl.math.exp2(s_t - lse_log2[None, :])
+        s = tl.where(visible(i, j, sk, diag, left, right) & (i < sq), s, float("-inf"))
+    p = tl.math.exp2(s - lse_log2[:, None])
 
-    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
     if HAS_DROPOUT:
-        keep_t = tl.trans(dropout_bytes(seed, offset, bh_index, m0, offs_n, BLOCK_M, BLOCK_N)) <= drop_threshold
-        dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
-        dp_t = tl.where(keep_t, dp_t, 0.0)
+        keep = dropout_bytes(seed, offset, bh_index, m0, offs_n, BLOCK_M, BLOCK_N) <= drop_threshold
+        dv = tl.dot(tl.trans(tl.where(keep, p, 0.0).to(do.dtype)), do, dv, input_precision=DOT_PRECISION,
+                    out_dtype=ACC_DTYPE)
+        dp = tl.where(keep, dp, 0.0)
     else:
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
-    ds_t = p_t * (dp_t - delta[None, :])  # (1 - p) * the true dS^T
-    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+        dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+    ds = p * (dp - delta[:, None])  # (1 - p) * the true dS
+    dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
     if STORE_DBIAS:
         dbias_ptrs = (dbias_base + m64 * stride_dbs + tl.cast(n0, tl.int64) * stride_dbk
-                      + (local_m[None, :] * stride_dbs + tl.arange(0, BLOCK_N)[:, None] * stride_dbk))
-        tl.store(dbias_ptrs, ds_t * drop_rescale, mask=(i < sq) & (j < sk))
+                      + (local_m[:, None] * stride_dbs + tl.arange(0, BLOCK_N)[None, :] * stride_dbk))
+        tl.store(dbias_ptrs, ds * drop_rescale, mask=(i < sq) & (j < sk))
     if ATOMIC_DQ:
-        dq = tl.dot(tl.trans(ds_t).to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE) * dq_scale
+        dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE) * dq_scale
         dq_ptrs = dq_base + m64 * stride_dqs + (local_m[:, None] * stride_dqs + offs_dq[None, :])
         tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None] & dq_ok[None, :], sem="relaxed")
     return dk, dv

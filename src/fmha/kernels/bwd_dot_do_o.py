@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .common import sequence_bounds
+from .common import row_block
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "num_m_blocks"])
@@ -33,16 +33,10 @@ def attention_bwd_dot_do_o_kernel(
     HAS_PADDED_Q: tl.constexpr,
     HAS_CU_SEQLEN_Q: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    m_block = pid % num_m_blocks
-    bh_index = pid // num_m_blocks
-    h = bh_index % nhead_q
-    b = bh_index // nhead_q
-    sq, _, q_row0, _, lse_row0 = sequence_bounds(
-        b, SeqstartQ, SeqstartQ, None, SeqstartPaddedQ, None, CuSeqlenQ, None, seqlen_q, 0,
-        IS_GROUP, False, HAS_PADDED_Q, False, HAS_CU_SEQLEN_Q, False,
+    b, h, m0, sq, q_row0, lse_row0 = row_block(
+        num_m_blocks, nhead_q, SeqstartQ, SeqstartPaddedQ, CuSeqlenQ, seqlen_q, BLOCK_M, IS_GROUP,
+        HAS_PADDED_Q, HAS_CU_SEQLEN_Q,
     )
-    m0 = m_block * BLOCK_M
     if m0 >= sq:
         return
     b64 = b.to(tl.int64)

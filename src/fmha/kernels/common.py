@@ -67,6 +67,30 @@ def sequence_bounds(
 
 
 @triton.jit
+def row_block(
+    num_m_blocks,
+    nhead_q,
+    SeqstartQ,
+    SeqstartPaddedQ,
+    CuSeqlenQ,
+    seqlen_q,
+    BLOCK_M: tl.constexpr,
+    IS_GROUP: tl.constexpr,
+    HAS_PADDED_Q: tl.constexpr,
+    HAS_CU_SEQLEN_Q: tl.constexpr,
+):
+    """For row-wise kernels (one program per query tile, head, batch): ``(b, h, m0, sq, q_row0,
+    lse_row0)`` of this program; the caller returns when ``m0 >= sq``."""
+    pid = tl.program_id(0)
+    bh_index = pid // num_m_blocks
+    sq, _, q_row0, _, lse_row0 = sequence_bounds(
+        bh_index // nhead_q, SeqstartQ, SeqstartQ, None, SeqstartPaddedQ, None, CuSeqlenQ, None,
+        seqlen_q, 0, IS_GROUP, False, HAS_PADDED_Q, False, HAS_CU_SEQLEN_Q, False,
+    )
+    return bh_index // nhead_q, bh_index % nhead_q, (pid % num_m_blocks) * BLOCK_M, sq, q_row0, lse_row0
+
+
+@triton.jit
 def window_bounds(sq, sk, window_left, window_right, mask_bottom_right):
     """``(diag, left, right)``: row i sees keys ``i + diag - left <= j <= i + diag + right``.
 

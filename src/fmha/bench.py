@@ -110,11 +110,14 @@ PROVIDERS: dict[str, Callable] = {
 def _environment() -> dict:
     import triton
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    # A copy of the tree without .git (a remote GPU machine) names its commit in FMHA_COMMIT.
+    commit = os.environ.get("FMHA_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
     return {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
@@ -160,10 +163,10 @@ def run(cases: list[Case], providers: list[str], jsonl: str | None = None, log=p
                 rec["ratio_to_best_peer"] = rec["tflops"] / max(peers)
         rows.extend(cell)
         log(format_cell(case, cell))
-    if jsonl:
-        with open(jsonl, "a") as f:
-            for rec in rows:
-                f.write(json.dumps(rec) + "\n")
+        if jsonl:  # cell by cell, so that an interrupted run keeps what it measured
+            with open(jsonl, "a") as f:
+                for rec in cell:
+                    f.write(json.dumps(rec) + "\n")
     return rows
 
 

@@ -6,6 +6,7 @@ import math
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .configs import bwd_config, fwd_config, head_dim_block
 from .inputs import AttentionInputs
@@ -243,23 +244,26 @@ def bwd(
         HAS_PADDED_Q=common["HAS_PADDED_Q"], HAS_CU_SEQLEN_Q=common["HAS_CU_SEQLEN_Q"],
     )
 
-    dq_acc = dq if deterministic else torch.zeros(q.shape, dtype=acc_dtype, device=device)
+    dq_acc, dq_acc_desc = (dq, None)
+    if not deterministic:
+        dq_acc, dq_acc_desc = _dq_accumulator(inputs, acc_dtype, common["BLOCK_DQ"], cfg.block_m)
     dbias_strides = (0, 0, 0, 0)
     if dbias_full is not None:
         dbias_strides = (0, *dbias_full.stride()) if group else dbias_full.stride()
     num_n_blocks = triton.cdiv(inputs.max_seqlen_k, cfg.block_n)
     grid_k = (num_n_blocks * inputs.nhead_k * inputs.batch,)
     attention_bwd_dkdv_kernel[grid_k](
-        **common, DOut=dout, Lse=lse, Delta=delta, DQAcc=dq_acc, DK=dk, DV=dv, DBias=dbias_full,
-        **_named("do", _row_strides(dout, group)), **_lse_strides(lse, group),
-        **_named("dq", _row_strides(dq_acc, group)), **_named("dk", _row_strides(dk, group)),
+        **common, DOut=dout, Lse=lse, Delta=delta, DQAcc=dq_acc, DQAccDesc=dq_acc_desc, DK=dk, DV=dv,
+        DBias=dbias_full, **_named("do", _row_strides(dout, group)), **_lse_strides(lse, group),
+        **_named("dq", _row_strides(dq_acc, group)),
+        dq_desc_rows_per_batch=0 if group else q.shape[1], **_named("dk", _row_strides(dk, group)),
         **_named("dv", _row_strides(dv, group)),
         stride_dbb=dbias_strides[0], stride_dbh=dbias_strides[1],
         stride_dbs=dbias_strides[2], stride_dbk=dbias_strides[3],
         nhead_k=inputs.nhead_k, num_n_blocks=num_n_blocks,
         dq_scale=inputs.scale * rescale, dk_scale=inputs.scale * rescale, dv_scale=rescale,
         drop_rescale=rescale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        STORE_DBIAS=dbias_full is not None, ATOMIC_DQ=not deterministic,
+        STORE_DBIAS=dbias_full is not None, ATOMIC_DQ=not deterministic, DQ_TMA=dq_acc_desc is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if deterministic:
@@ -281,6 +285,24 @@ def bwd(
             HAS_PADDED_Q=common["HAS_PADDED_Q"], HAS_CU_SEQLEN_Q=common["HAS_CU_SEQLEN_Q"],
         )
     return dq, dk, dv, _reduce_dbias(inputs, dbias_full)
+
+
+def _dq_accumulator(inputs: AttentionInputs, dtype: torch.dtype, block_dq: int, block_m: int):
+    """The atomic mode's dQ accumulator (fp32, fp64 for fp64 inputs) and, with a TMA unit, its descriptor.
+
+    Laid out like q with the head dim padded to ``block_dq`` (``q.numel() / head_dim_q * block_dq``
+    values), so that every head's tile is a 16-byte-aligned box: interior tiles add into it with
+    one bulk reduction, edge tiles with masked per-element atomics.
+    """
+    q = inputs.q
+    acc = torch.zeros((*q.shape[:-1], block_dq), dtype=dtype, device=q.device)
+    # Bulk reductions need Hopper's TMA; the interpreter and fp64 take the per-element path.
+    # (CPU tensors outside the interpreter only occur in fmha.compile_check, which targets sm_90.)
+    on_gpu = q.device.type == "cuda"
+    if INTERPRET or dtype == torch.float64 or (on_gpu and torch.cuda.get_device_capability(q.device)[0] < 9):
+        return acc, None
+    rows = acc.view(-1, inputs.nhead_q * block_dq)
+    return acc, TensorDescriptor.from_tensor(rows, [block_m, block_dq])
 
 
 def _reduce_dbias(inputs: AttentionInputs, dbias_full: torch.Tensor | None) -> torch.Tensor | None:

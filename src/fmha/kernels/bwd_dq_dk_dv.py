@@ -41,6 +41,9 @@ def _dkdv_tile(
     lse_base,
     delta_base,
     dq_base,
+    dq_desc,
+    dq_desc_row,
+    dq_desc_col,
     bias_base,
     dbias_base,
     offs_n,
@@ -77,6 +80,7 @@ def _dkdv_tile(
     ALIBI_MODE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
+    DQ_TMA: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
@@ -114,43 +118,49 @@ def _dkdv_tile(
     # Fully masked rows carry LSE = -inf: read it as 0 so that P = exp2(-inf) = 0.
     lse_log2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
 
-    # Scores [queries, keys]: K and V only ever feed the right-hand side of a product, so they
-    # stay in shared memory across the query loop instead of holding registers.
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE) * qk_scale
-    i = offs_m[:, None]
-    j = offs_n[None, :]
+    # Scores transposed, [keys, queries]: every product but dQ's has the key tile as its rows,
+    # so the matrix units see BLOCK_N (not the short query tile) as their M dimension.
+    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE) * qk_scale
+    i = offs_m[None, :]
+    j = offs_n[:, None]
     if HAS_BIAS:
         bias_ptrs = (bias_base + m64 * stride_bs + tl.cast(n0, tl.int64) * stride_bk
-                     + (local_m[:, None] * stride_bs + tl.arange(0, BLOCK_N)[None, :] * stride_bk))
+                     + (local_m[None, :] * stride_bs + tl.arange(0, BLOCK_N)[:, None] * stride_bk))
         if EDGE:
             bias = tl.load(bias_ptrs, mask=(j < sk) & (i < sq), other=0.0)
         else:
             bias = tl.load(bias_ptrs)
-        s += bias.to(ACC_DTYPE) * LOG2E
+        s_t += bias.to(ACC_DTYPE) * LOG2E
     if ALIBI_MODE != ALIBI_NONE:
-        s += alibi_log2(slope_log2, i, j, alibi_diag, ALIBI_MODE)
+        s_t += alibi_log2(slope_log2, i, j, alibi_diag, ALIBI_MODE)
     if EDGE:
-        s = tl.where(visible(i, j, sk, diag, left, right) & (i < sq), s, float("-inf"))
-    p = tl.math.exp2(s - lse_log2[:, None])
+        s_t = tl.where(visible(i, j, sk, diag, left, right) & (i < sq), s_t, float("-inf"))
+    p_t = tl.math.exp2(s_t - lse_log2[None, :])
 
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
     if HAS_DROPOUT:
-        keep = dropout_bytes(seed, offset, bh_index, m0, offs_n, BLOCK_M, BLOCK_N) <= drop_threshold
-        dv = tl.dot(tl.trans(tl.where(keep, p, 0.0).to(do.dtype)), do, dv, input_precision=DOT_PRECISION,
+        keep_t = tl.trans(dropout_bytes(seed, offset, bh_index, m0, offs_n, BLOCK_M, BLOCK_N)) <= drop_threshold
+        dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION,
                     out_dtype=ACC_DTYPE)
-        dp = tl.where(keep, dp, 0.0)
+        dp_t = tl.where(keep_t, dp_t, 0.0)
     else:
-        dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
-    ds = p * (dp - delta[:, None])  # (1 - p) * the true dS
-    dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+    ds_t = p_t * (dp_t - delta[None, :])  # (1 - p) * the true dS^T
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
     if STORE_DBIAS:
         dbias_ptrs = (dbias_base + m64 * stride_dbs + tl.cast(n0, tl.int64) * stride_dbk
-                      + (local_m[:, None] * stride_dbs + tl.arange(0, BLOCK_N)[None, :] * stride_dbk))
-        tl.store(dbias_ptrs, ds * drop_rescale, mask=(i < sq) & (j < sk))
+                      + (local_m[None, :] * stride_dbs + tl.arange(0, BLOCK_N)[:, None] * stride_dbk))
+        tl.store(dbias_ptrs, ds_t * drop_rescale, mask=(i < sq) & (j < sk))
     if ATOMIC_DQ:
-        dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE) * dq_scale
-        dq_ptrs = dq_base + m64 * stride_dqs + (local_m[:, None] * stride_dqs + offs_dq[None, :])
-        tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None] & dq_ok[None, :], sem="relaxed")
+        # dQ^T = K^T dS^T keeps the head dim as M, so this product also runs on wgmma.
+        dq_t = tl.dot(tl.trans(k), ds_t.to(k.dtype), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE) * dq_scale
+        if DQ_TMA and not EDGE:
+            # Interior tiles: one bulk reduction through the tensor memory accelerator, no
+            # per-element addresses held in registers.
+            dq_desc.atomic_add([dq_desc_row + m0, dq_desc_col], tl.trans(dq_t))
+        else:
+            dq_ptrs = dq_base + m64 * stride_dqs + (local_m[None, :] * stride_dqs + offs_dq[:, None])
+            tl.atomic_add(dq_ptrs, dq_t, mask=row_ok[None, :] & dq_ok[:, None], sem="relaxed")
     return dk, dv
 
 
@@ -171,6 +181,7 @@ def attention_bwd_dkdv_kernel(
     Lse,
     Delta,
     DQAcc,
+    DQAccDesc,
     DK,
     DV,
     DBias,
@@ -198,6 +209,7 @@ def attention_bwd_dkdv_kernel(
     stride_dqb,
     stride_dqs,
     stride_dqh,
+    dq_desc_rows_per_batch,
     stride_dkb,
     stride_dks,
     stride_dkh,
@@ -247,6 +259,7 @@ def attention_bwd_dkdv_kernel(
     ALIBI_MODE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
+    DQ_TMA: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -330,24 +343,27 @@ def attention_bwd_dkdv_kernel(
         if ALIBI_MODE != ALIBI_NONE:
             slope_log2 = tl.load(AlibiSlopes + b * stride_ab + h * stride_ah) * LOG2E
         bh_index = b * nhead_q + h
+        # The fp32 dQ accumulator seen as [rows, nhead_q * BLOCK_DQ]: this head's tile origin.
+        dq_desc_row = b * dq_desc_rows_per_batch + q_row0
+        dq_desc_col = h * BLOCK_DQ
         for m0 in range(split_lo, split_hi, BLOCK_M):
             dk, dv = _dkdv_tile(
-                dk, dv, k, v, m0, n0, q_base, do_base, lse_base, delta_base, dq_base, bias_base,
-                dbias_base, offs_n, sq, sk, diag, left, right, qk_scale, dq_scale, slope_log2,
+                dk, dv, k, v, m0, n0, q_base, do_base, lse_base, delta_base, dq_base, DQAccDesc,
+                dq_desc_row, dq_desc_col, bias_base, dbias_base, offs_n, sq, sk, diag, left, right, qk_scale, dq_scale, slope_log2,
                 alibi_diag, seed, offset, bh_index, drop_threshold, drop_rescale, stride_qs, stride_dos,
                 stride_dqs, stride_bs, stride_bk, stride_dbs, stride_dbk, BLOCK_M, BLOCK_N,
                 BLOCK_DQ, BLOCK_DV, HEAD_DIM_Q, HEAD_DIM_V, False, HAS_BIAS, STORE_DBIAS,
-                ALIBI_MODE, HAS_DROPOUT, ATOMIC_DQ, UPCAST, DOT_PRECISION, ACC_DTYPE,
+                ALIBI_MODE, HAS_DROPOUT, ATOMIC_DQ, DQ_TMA, UPCAST, DOT_PRECISION, ACC_DTYPE,
             )
         for t in range(0, edge_tiles):
             m0 = tl.where(t < edge_before, tile_lo + t * BLOCK_M, split_hi + (t - edge_before) * BLOCK_M)
             dk, dv = _dkdv_tile(
-                dk, dv, k, v, m0, n0, q_base, do_base, lse_base, delta_base, dq_base, bias_base,
-                dbias_base, offs_n, sq, sk, diag, left, right, qk_scale, dq_scale, slope_log2,
+                dk, dv, k, v, m0, n0, q_base, do_base, lse_base, delta_base, dq_base, DQAccDesc,
+                dq_desc_row, dq_desc_col, bias_base, dbias_base, offs_n, sq, sk, diag, left, right, qk_scale, dq_scale, slope_log2,
                 alibi_diag, seed, offset, bh_index, drop_threshold, drop_rescale, stride_qs, stride_dos,
                 stride_dqs, stride_bs, stride_bk, stride_dbs, stride_dbk, BLOCK_M, BLOCK_N,
                 BLOCK_DQ, BLOCK_DV, HEAD_DIM_Q, HEAD_DIM_V, True, HAS_BIAS, STORE_DBIAS,
-                ALIBI_MODE, HAS_DROPOUT, ATOMIC_DQ, UPCAST, DOT_PRECISION, ACC_DTYPE,
+                ALIBI_MODE, HAS_DROPOUT, ATOMIC_DQ, DQ_TMA, UPCAST, DOT_PRECISION, ACC_DTYPE,
             )
 
     dk_ptrs = DK + b64 * stride_dkb + hk64 * stride_dkh + key_rows[:, None] * stride_dks + offs_dq[None, :]

@@ -77,7 +77,7 @@ BWD_CONFIGS: dict[tuple[str, int], BwdConfig] = {
     ("half", 32): BwdConfig(64, 128, 8, 2, 128, 32, 8, 3),
     ("half", 64): BwdConfig(64, 128, 8, 2, 128, 32, 8, 3),
     ("half", 128): BwdConfig(64, 128, 8, 2, 128, 64, 8, 3),
-    ("half", 256): BwdConfig(32, 64, 8, 2, 64, 32, 8, 2),
+    ("half", 256): BwdConfig(32, 64, 8, 2, 128, 32, 8, 3),
     ("fp32", 16): BwdConfig(32, 32, 4, 1, 32, 32, 4, 1),
     ("fp32", 32): BwdConfig(32, 32, 4, 1, 32, 32, 4, 1),
     ("fp32", 64): BwdConfig(32, 32, 4, 1, 32, 32, 4, 1),

@@ -1,11 +1,12 @@
 """Compile every shipped GPU kernel config for Hopper (sm_90) without a GPU and check resources.
 
-    TRITON_INTERPRET=0 python -m fmha.compile_check
+    TRITON_INTERPRET=0 python -m fmha.compile_check [--only TEXT]
 
-For each (dtype, head dim bucket) of ``fmha.configs`` and a few feature combinations, the kernel
-is specialized exactly as a real launch would (same launcher code, CPU tensors standing in),
-compiled by Triton for sm_90, and its PTX assembled by ``ptxas -v``. A compile failure, a
-register spill or shared memory over the sm_90 limit is reported and fails the check.
+For each (dtype, head dim bucket) of ``fmha.configs`` and a few feature combinations, the forward
+kernel and the backward's kernels (both dQ modes) are specialized exactly as a real launch would
+(same launcher code, CPU tensors standing in), compiled by Triton for sm_90, and their PTX
+assembled by ``ptxas -v``. A compile failure, a register spill or shared memory over the sm_90
+limit is reported and fails the check.
 """
 
 from __future__ import annotations
@@ -125,6 +126,36 @@ def check_fwd(dtype, dq, dv, features: str) -> Result:
     return Result(name, regs, spills, kernel.metadata.shared)
 
 
+def check_bwd(dtype, dq, dv, features: str, deterministic: bool) -> list[Result]:
+    """One result per backward kernel (dot_do_o, dK/dV, then dQ or the dQ conversion)."""
+    mode = "deterministic" if deterministic else "atomic"
+    prefix = f"bwd {str(dtype).split('.')[-1]} d={dq}/{dv} [{features}] {mode}"
+    q, k, v, kw = _fwd_problem(dtype, dq, dv, features)
+    inputs = check_inputs(q, k, v, **kw)
+    out = torch.empty(inputs.out_shape, dtype=dtype)
+    lse = torch.empty(inputs.lse_shape, dtype=torch.float32)
+    philox = torch.zeros(2, dtype=torch.int64) if inputs.dropout_p > 0 else None
+    launches, _ = ops.bwd_launches(inputs, torch.empty_like(out), out, lse, philox=philox,
+                                   deterministic=deterministic, bias_grad="bias" in features)
+    results = []
+    for launch in launches:
+        name = f"{prefix} {launch.kernel.__name__.removeprefix('attention_bwd_').removesuffix('_kernel')}"
+        try:
+            kernel = launch.kernel.warmup(grid=launch.grid, **launch.kwargs)
+            regs, spills = _ptxas_report(kernel.asm["ptx"])
+        except Exception as exc:  # report every failing config, not just the first
+            results.append(Result(name, 0, 0, 0, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+            continue
+        results.append(Result(name, regs, spills, kernel.metadata.shared))
+    return results
+
+
+def _report(res: Result) -> None:
+    status = "ok  " if res.ok else "FAIL"
+    print(f"{status} {res.name:72s} regs={res.registers:3d} spill={res.spill_bytes:5d}B "
+          f"smem={res.shared:6d}B {res.error}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -138,13 +169,15 @@ def main(argv: list[str] | None = None) -> int:
         for dq, dv in dims:
             for features in FEATURE_SETS:
                 name = f"fwd {str(dtype).split('.')[-1]} d={dq}/{dv} [{features}]"
-                if args.only not in name:
-                    continue
-                res = check_fwd(dtype, dq, dv, features)
-                results.append(res)
-                status = "ok  " if res.ok else "FAIL"
-                print(f"{status} {res.name:50s} regs={res.registers:3d} spill={res.spill_bytes:5d}B "
-                      f"smem={res.shared:6d}B {res.error}", flush=True)
+                if args.only in name:
+                    results.append(check_fwd(dtype, dq, dv, features))
+                    _report(results[-1])
+                for deterministic in (False, True):
+                    mode = "deterministic" if deterministic else "atomic"
+                    if args.only in f"b{name[1:]} {mode}":
+                        results += check_bwd(dtype, dq, dv, features, deterministic)
+                        for res in results[-3:]:
+                            _report(res)
     failed = [r for r in results if not r.ok]
     print(f"{len(results) - len(failed)}/{len(results)} kernel configs compile for sm_90 within limits")
     return 1 if failed else 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -194,6 +195,14 @@ def _named(prefix: str, strides: tuple[int, int, int]) -> dict[str, int]:
     return {f"stride_{prefix}b": strides[0], f"stride_{prefix}s": strides[1], f"stride_{prefix}h": strides[2]}
 
 
+class Launch(NamedTuple):
+    """One kernel launch: ``kernel[grid](**kwargs)``."""
+
+    kernel: object
+    grid: tuple[int]
+    kwargs: dict
+
+
 def bwd(
     inputs: AttentionInputs,
     dout: torch.Tensor,
@@ -206,9 +215,30 @@ def bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the backward kernels; returns ``(dq, dk, dv, dbias)``.
 
-    ``dbias`` (when ``bias_grad``) is the true gradient reduced to the bias's own shape. Atomic
-    mode accumulates dQ in an fp32 buffer shaped like q; deterministic mode computes dQ in
-    programs that own their query tile and needs no workspace.
+    ``dbias`` (when ``bias_grad``) is the true gradient reduced to the bias's own shape.
+    """
+    launches, (dq, dk, dv, dbias_full) = bwd_launches(
+        inputs, dout, out, lse, philox=philox, deterministic=deterministic, bias_grad=bias_grad)
+    for launch in launches:
+        launch.kernel[launch.grid](**launch.kwargs)
+    return dq, dk, dv, _reduce_dbias(inputs, dbias_full)
+
+
+def bwd_launches(
+    inputs: AttentionInputs,
+    dout: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    philox: torch.Tensor | None = None,
+    deterministic: bool = False,
+    bias_grad: bool = False,
+) -> tuple[list[Launch], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """Allocate the backward's outputs and workspaces; return its launches, in order, and
+    ``(dq, dk, dv, dbias_full)`` (``dbias_full`` per (batch, head, row, key), before reduction).
+
+    Atomic mode accumulates dQ in a padded fp32 buffer (see ``_dq_accumulator``); deterministic
+    mode computes dQ in programs that own their query tile and needs no workspace.
     """
     q, k, v = inputs.q, inputs.k, inputs.v
     group = inputs.group
@@ -222,8 +252,9 @@ def bwd(
     dbias_full = None
     if bias_grad:
         dbias_full = torch.zeros(inputs.bias.shape, dtype=acc_dtype, device=device)
+    grads = (dq, dk, dv, dbias_full)
     if inputs.batch * inputs.nhead_q == 0 or inputs.max_seqlen_q == 0:
-        return dq, dk, dv, _reduce_dbias(inputs, dbias_full)
+        return [], grads
 
     cfg = bwd_config(q.dtype, inputs.head_dim_q, inputs.head_dim_v)
     common = _problem_args(inputs, philox)
@@ -234,7 +265,7 @@ def bwd(
     delta = torch.empty_like(lse)
     num_m_blocks = triton.cdiv(inputs.max_seqlen_q, cfg.block_m_dq)
     grid_q = (num_m_blocks * inputs.nhead_q * inputs.batch,)
-    attention_bwd_dot_do_o_kernel[grid_q](
+    launches = [Launch(attention_bwd_dot_do_o_kernel, grid_q, dict(
         Out=out, DOut=dout, Delta=delta, SeqstartQ=inputs.seqstart_q,
         SeqstartPaddedQ=inputs.seqstart_padded_q, CuSeqlenQ=inputs.cu_seqlen_q,
         **_named("o", _row_strides(out, group)), **_named("do", _row_strides(dout, group)),
@@ -242,7 +273,7 @@ def bwd(
         num_m_blocks=num_m_blocks, p_keep=keep, HEAD_DIM_V=inputs.head_dim_v,
         BLOCK_M=cfg.block_m_dq, BLOCK_DV=common["BLOCK_DV"], IS_GROUP=group,
         HAS_PADDED_Q=common["HAS_PADDED_Q"], HAS_CU_SEQLEN_Q=common["HAS_CU_SEQLEN_Q"],
-    )
+    ))]
 
     dq_acc, dq_acc_desc = (dq, None)
     if not deterministic:
@@ -252,7 +283,7 @@ def bwd(
         dbias_strides = (0, *dbias_full.stride()) if group else dbias_full.stride()
     num_n_blocks = triton.cdiv(inputs.max_seqlen_k, cfg.block_n)
     grid_k = (num_n_blocks * inputs.nhead_k * inputs.batch,)
-    attention_bwd_dkdv_kernel[grid_k](
+    launches.append(Launch(attention_bwd_dkdv_kernel, grid_k, dict(
         **common, DOut=dout, Lse=lse, Delta=delta, DQAcc=dq_acc, DQAccDesc=dq_acc_desc, DK=dk, DV=dv,
         DBias=dbias_full, **_named("do", _row_strides(dout, group)), **_lse_strides(lse, group),
         **_named("dq", _row_strides(dq_acc, group)),
@@ -265,26 +296,26 @@ def bwd(
         drop_rescale=rescale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         STORE_DBIAS=dbias_full is not None, ATOMIC_DQ=not deterministic, DQ_TMA=dq_acc_desc is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    )))
     if deterministic:
-        attention_bwd_dq_kernel[grid_q](
+        launches.append(Launch(attention_bwd_dq_kernel, grid_q, dict(
             **common, DOut=dout, Lse=lse, Delta=delta, DQ=dq,
             **_named("do", _row_strides(dout, group)), **_lse_strides(lse, group),
             **_named("dq", _row_strides(dq, group)),
             num_m_blocks=num_m_blocks, dq_scale=inputs.scale * rescale,
             BLOCK_M=cfg.block_m_dq, BLOCK_N=cfg.block_n_dq,
             num_warps=cfg.num_warps_dq, num_stages=cfg.num_stages_dq,
-        )
+        )))
     else:
-        attention_bwd_convert_dq_kernel[grid_q](
+        launches.append(Launch(attention_bwd_convert_dq_kernel, grid_q, dict(
             DQAcc=dq_acc, DQ=dq, SeqstartQ=inputs.seqstart_q, SeqstartPaddedQ=inputs.seqstart_padded_q,
             CuSeqlenQ=inputs.cu_seqlen_q, **_named("a", _row_strides(dq_acc, group)),
             **_named("dq", _row_strides(dq, group)), seqlen_q=common["seqlen_q"],
             nhead_q=inputs.nhead_q, num_m_blocks=num_m_blocks, HEAD_DIM_Q=inputs.head_dim_q,
             BLOCK_M=cfg.block_m_dq, BLOCK_DQ=common["BLOCK_DQ"], IS_GROUP=group,
             HAS_PADDED_Q=common["HAS_PADDED_Q"], HAS_CU_SEQLEN_Q=common["HAS_CU_SEQLEN_Q"],
-        )
-    return dq, dk, dv, _reduce_dbias(inputs, dbias_full)
+        )))
+    return launches, grads
 
 
 def _dq_accumulator(inputs: AttentionInputs, dtype: torch.dtype, block_dq: int, block_m: int):

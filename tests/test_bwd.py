@@ -46,7 +46,7 @@ def test_masks_dtypes_modes(mask, dtype, deterministic, device, gen):
     check_bwd(q, k, v, mask=mask, deterministic=deterministic)
 
 
-@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 50), (50, 1), (65, 33), (33, 65), (7, 0)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 50), (50, 1), (65, 33), (33, 65), (7, 0), (0, 7)])
 def test_lengths(seqlen_q, seqlen_k, device, gen):
     q, k, v = random_qkv(1, seqlen_q, seqlen_k, 2, 1, 32, 32, device=device, generator=gen)
     check_bwd(q, k, v, mask="b")

@@ -243,8 +243,10 @@ def bwd_launches(
     q, k, v = inputs.q, inputs.k, inputs.v
     group = inputs.group
     device = q.device
+    # Rows no program writes must read as zero: padding, and every key row when no query exists.
+    no_queries = inputs.batch * inputs.nhead_q == 0 or inputs.max_seqlen_q == 0
     padded_q = inputs.has_padding_q
-    padded_k = group or inputs.cu_seqlen_k is not None
+    padded_k = group or inputs.cu_seqlen_k is not None or no_queries
     dq = (torch.zeros if padded_q else torch.empty)(q.shape, dtype=q.dtype, device=device)
     dk = (torch.zeros if padded_k else torch.empty)(k.shape, dtype=k.dtype, device=device)
     dv = (torch.zeros if padded_k else torch.empty)(v.shape, dtype=v.dtype, device=device)
@@ -253,7 +255,7 @@ def bwd_launches(
     if bias_grad:
         dbias_full = torch.zeros(inputs.bias.shape, dtype=acc_dtype, device=device)
     grads = (dq, dk, dv, dbias_full)
-    if inputs.batch * inputs.nhead_q == 0 or inputs.max_seqlen_q == 0:
+    if no_queries:
         return [], grads
 
     cfg = bwd_config(q.dtype, inputs.head_dim_q, inputs.head_dim_v)

@@ -15,7 +15,7 @@ def _randn(shape, dtype, device, generator) -> torch.Tensor:
     return torch.randn(shape, generator=generator).to(dtype=dtype, device=device)
 
 
-def _tensor(shape, dtype, device, layout: str, generator=None) -> torch.Tensor:
+def random_tensor(shape, dtype, device, layout: str, generator=None) -> torch.Tensor:
     """Random ``[..., S, H, D]`` tensor laid out as asked: ``bshd`` (contiguous), ``bhsd``
     (heads outer, a transposed view) or ``strided`` (rows padded, head dim still contiguous)."""
     *lead, s, h, d = shape
@@ -31,9 +31,9 @@ def _tensor(shape, dtype, device, layout: str, generator=None) -> torch.Tensor:
 def random_qkv(batch, seqlen_q, seqlen_k, nhead_q, nhead_k, head_dim_q, head_dim_v, *,
                dtype=torch.float16, device="cpu", layout="bshd", generator=None):
     """Batch-mode ``q [B, Sq, Hq, Dq]``, ``k [B, Sk, Hk, Dq]``, ``v [B, Sk, Hk, Dv]``."""
-    q = _tensor((batch, seqlen_q, nhead_q, head_dim_q), dtype, device, layout, generator)
-    k = _tensor((batch, seqlen_k, nhead_k, head_dim_q), dtype, device, layout, generator)
-    v = _tensor((batch, seqlen_k, nhead_k, head_dim_v), dtype, device, layout, generator)
+    q = random_tensor((batch, seqlen_q, nhead_q, head_dim_q), dtype, device, layout, generator)
+    k = random_tensor((batch, seqlen_k, nhead_k, head_dim_q), dtype, device, layout, generator)
+    v = random_tensor((batch, seqlen_k, nhead_k, head_dim_v), dtype, device, layout, generator)
     return q, k, v
 
 
@@ -101,11 +101,13 @@ def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff.max().item() if diff.numel() else 0.0
 
 
-def error_bound(q_dtype: torch.dtype, low_precision_error: float) -> float:
+def error_bound(q_dtype: torch.dtype, low_precision_error: float, magnitude: float = 1.0) -> float:
     """FlashAttention's criterion: twice the error of a PyTorch computation in the input dtype,
-    plus a floor for the rounding of the output itself."""
+    plus a floor for the rounding of the output itself: about one unit in the last place of the
+    dtype at ``max(1, magnitude)``, where ``magnitude`` is the largest value of the exact result
+    (a gradient summed over many rows, such as a broadcast bias's, rounds at its own scale)."""
     floor = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 2e-5}[q_dtype]
-    return 2 * low_precision_error + floor
+    return 2 * low_precision_error + floor * max(1.0, magnitude)
 
 
 def reference_pair(q, k, v, **kwargs):

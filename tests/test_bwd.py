@@ -217,3 +217,31 @@ def test_bwd_function_and_its_errors(device, gen):
         fmha.bwd(dout, q, k, v, res.out, res.lse.double())
     with pytest.raises(ValueError, match=r"^seed/offset: expected the forward's dropout seed and offset"):
         fmha.bwd(dout, q, k, v, res.out, res.lse, dropout_p=0.1)
+
+
+def test_torch_deterministic_algorithms_select_the_deterministic_mode(monkeypatch, device, gen):
+    """torch.use_deterministic_algorithms(True) makes the default backward the fixed-order one."""
+    from fmha import ops
+
+    seen = []
+    real_bwd = ops.bwd
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["deterministic"])
+        return real_bwd(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "bwd", spy)
+    q, k, v = random_qkv(1, 20, 24, 2, 1, 16, 16, device=device, generator=gen)
+    dout = torch.randn(1, 20, 2, 16, generator=gen).to(device=device, dtype=q.dtype)
+    plain = grads(fmha.attention, (q, k, v), dout)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        under_flag = grads(fmha.attention, (q, k, v), dout)
+        res = fmha.fwd(q, k, v)
+        fmha.bwd(dout, q, k, v, res.out, res.lse)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert seen == [False, True, True]
+    for a, b in zip(plain, under_flag):
+        assert max_error(a, b) <= 1e-3

@@ -119,7 +119,8 @@ def attention(
     (MQA/GQA). ``mask`` is a CK mask string (``"t"``, ``"b"``, ``"t:l,r"``, ``"b:l,r"``, ...) or
     an ``fmha.Mask``. ``cu_seqlen_q``/``cu_seqlen_k`` (int32 ``[B+1]``) shorten each batch.
     Returns ``out [B, Sq, Hq, Dv]``, or ``(out, lse, randval)`` when either is asked for.
-    ``deterministic`` selects the backward's fixed-order dQ reduction.
+    ``deterministic`` selects the backward's fixed-order dQ reduction (so does
+    ``torch.use_deterministic_algorithms(True)``).
     """
     return _differentiable(
         q, k, v, scale=scale, mask=mask, bias=bias, alibi_slopes=alibi_slopes,
@@ -208,7 +209,8 @@ def bwd(
 
     Takes the forward's keywords; with dropout, ``seed`` and ``offset`` must be the forward's
     (the backward regenerates the same bytes). ``dbias`` is returned when ``bias`` is given,
-    summed to the bias's own shape. ``deterministic=True`` gives bitwise-repeatable gradients.
+    summed to the bias's own shape. ``deterministic=True`` (or
+    ``torch.use_deterministic_algorithms(True)``) gives bitwise-repeatable gradients.
     """
     inputs = check_inputs(
         q, k, v, scale=scale, mask=mask, bias=bias, alibi_slopes=alibi_slopes,
@@ -229,5 +231,6 @@ def bwd(
             raise ValueError("seed/offset: expected the forward's dropout seed and offset, got None")
         philox = ops.philox_seed_offset(inputs.seed, inputs.offset, q.device)
     dout, out, lse = (t if t.stride(-1) == 1 else t.contiguous() for t in (dout, out, lse))
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     return AttentionGrads(*ops.bwd(inputs, dout, out, lse, philox=philox, deterministic=deterministic,
                                    bias_grad=bias is not None))

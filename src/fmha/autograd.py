@@ -27,8 +27,10 @@ class AttentionFunction(torch.autograd.Function):
         out, lse, philox = ctx.saved_tensors
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
+        # torch.use_deterministic_algorithms(True) turns the fixed-order dQ reduction on.
+        deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
         dq, dk, dv, dbias = ops.bwd(
-            ctx.inputs, dout, out, lse, philox=philox, deterministic=ctx.deterministic,
+            ctx.inputs, dout, out, lse, philox=philox, deterministic=deterministic,
             bias_grad=ctx.needs_input_grad[3],
         )
         return dq, dk, dv, dbias, None, None, None, None

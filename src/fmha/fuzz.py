@@ -261,11 +261,17 @@ def run_case(case: Case, device: str) -> list[str]:
     return failures
 
 
-def run(examples: int, seed: int, max_len: int, device: str, first: int = 0, log=print) -> list[tuple[Case, list[str]]]:
-    """Run examples ``first .. first + examples - 1``; returns the failing ones with their failures."""
+def run(examples: int, seed: int, max_len: int, device: str, first: int = 0, seconds: float | None = None,
+        log=print) -> list[tuple[Case, list[str]]]:
+    """Run examples ``first .. first + examples - 1`` (stopping early after ``seconds``); returns
+    the failing ones with their failures."""
     failed = []
     start = time.time()
+    done = 0
     for index in range(first, first + examples):
+        if seconds is not None and time.time() - start > seconds:
+            break
+        done += 1
         case = random_case(seed, index, max_len)
         try:
             failures = run_case(case, device)
@@ -274,7 +280,7 @@ def run(examples: int, seed: int, max_len: int, device: str, first: int = 0, log
         if failures:
             failed.append((case, failures))
             log(f"FAIL {case.describe()}\n     " + "\n     ".join(failures))
-    log(f"{examples - len(failed)}/{examples} examples passed (seed {seed}, max length {max_len}, "
+    log(f"{done - len(failed)}/{done} examples passed (seed {seed}, max length {max_len}, "
         f"{device}, {time.time() - start:.0f} s)")
     return failed
 
@@ -286,8 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first", type=int, default=0, help="index of the first example")
     parser.add_argument("--max-len", type=int, default=300, help="longest sequence drawn")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seconds", type=float, help="stop starting new examples after this long")
     args = parser.parse_args(argv)
-    failed = run(args.examples, args.seed, args.max_len, args.device, args.first)
+    failed = run(args.examples, args.seed, args.max_len, args.device, args.first, args.seconds)
     return 1 if failed else 0
 
 

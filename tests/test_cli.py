@@ -607,3 +607,15 @@ def test_check_fwd_has_no_variants(capsys):
     with pytest.raises(SystemExit):
         cli.main(["check", "fwd", "--variant", "dbias"])
     assert "--variant: only check bwd has variants" in capsys.readouterr().err
+
+
+def test_info_reports_versions_device_and_features(capsys, device):
+    import triton
+
+    assert cli.main(["info"]) == 0
+    text = capsys.readouterr().out
+    assert f"torch    {torch.__version__}" in text and f"triton   {triton.__version__}" in text
+    assert ("interpreter" in text) == (device == "cpu")
+    lines = [line for line in text.splitlines() if line[:3] in ("yes", "no ")]
+    assert len(lines) >= 8 and all(": " in line for line in lines)
+    assert any(line.startswith("no   torch.compile") for line in lines)

@@ -1004,6 +1004,7 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--variant", choices=["all", *BWD_VARIANTS], default="all",
                        help="bwd only: CK's matrix (base), it again with -deterministic=1, or with "
                             "-bias=e -dbias=1 (default: all three)")
+    commands.add_parser("info", help="versions, the GPU, and which features run here (and why not)")
     timing = commands.add_parser("bench", help="time fmha against the attention implementations installed")
     timing.add_argument("--head-dims", type=int, nargs="+", default=list(bench.DEFAULT_HEAD_DIMS))
     timing.add_argument("--seqlens", type=int, nargs="+", default=list(bench.DEFAULT_SEQLENS))
@@ -1026,6 +1027,11 @@ def main(argv: list[str] | None = None) -> int:
         return ck_command(args.command, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "info":
+        from .info import report
+
+        print(report())
+        return 0
     if args.command == "check":
         if args.direction == "fwd" and args.variant != "all":
             parser.error("--variant: only check bwd has variants")

@@ -618,4 +618,4 @@ def test_info_reports_versions_device_and_features(capsys, device):
     assert ("interpreter" in text) == (device == "cpu")
     lines = [line for line in text.splitlines() if line[:3] in ("yes", "no ")]
     assert len(lines) >= 8 and all(": " in line for line in lines)
-    assert any(line.startswith("no   torch.compile") for line in lines)
+    assert any(line.startswith("yes  torch.compile") for line in lines)

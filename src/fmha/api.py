@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from . import ops
-from .autograd import AttentionFunction
+from . import autograd  # noqa: F401  (registers the fmha:: custom ops)
 from .inputs import check_inputs
 from .masks import MaskLike
 
@@ -83,15 +83,22 @@ def _check_out(out, shape, q) -> None:
 
 
 def _differentiable(q, k, v, *, deterministic, return_lse, return_randval, **kwargs):
-    """The autograd path shared by ``attention`` and ``attention_varlen``."""
+    """The autograd path shared by ``attention`` and ``attention_varlen``: validate, then run the
+    ``fmha::fwd`` custom op (whose registered backward is ``fmha::bwd``)."""
     inputs = check_inputs(q, k, v, **kwargs)
     philox = None
     if inputs.dropout_p > 0:
         philox = ops.philox_seed_offset(inputs.seed, inputs.offset, q.device)
-    out, lse, randval = AttentionFunction.apply(
-        q, k, v, kwargs.get("bias"), inputs, philox, bool(deterministic), bool(return_randval))
+    mask = inputs.mask
+    out, lse, randval = torch.ops.fmha.fwd(
+        inputs.q, inputs.k, inputs.v, kwargs.get("bias"), kwargs.get("alibi_slopes"), philox,
+        inputs.cu_seqlen_q, inputs.cu_seqlen_k, inputs.seqstart_q, inputs.seqstart_k, inputs.seqlen_k,
+        inputs.seqstart_padded_q, inputs.seqstart_padded_k, inputs.scale, int(mask.type), mask.left,
+        mask.right, inputs.dropout_p, inputs.max_seqlen_q, inputs.max_seqlen_k, inputs.lse_rows,
+        bool(return_randval), bool(deterministic))
     if return_lse or return_randval:
-        return AttentionOutput(out, lse if return_lse else None, randval)
+        randval = randval if return_randval and inputs.dropout_p > 0 else None
+        return AttentionOutput(out, lse.detach() if return_lse else None, randval)
     return out
 
 

@@ -46,7 +46,8 @@ def features() -> list[tuple[str, bool, str]]:
         ("TMA bulk dQ reduction (atomic backward)", gpu and cap >= (9, 0),
          "Hopper or newer" if gpu and cap >= (9, 0) else
          ("needs compute capability 9.0; per-element atomics instead" if gpu else "GPU only; per-element path")),
-        ("torch.compile without graph breaks (custom ops)", False, "not built yet"),
+        ("torch.compile without graph breaks", True,
+         "fmha::fwd and fmha::bwd custom ops; varlen needs max_seqlen_q/k and no seqstart_padded_q"),
     ]
     flex = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
     rows.append(("fmha bench peers: SDPA backends, FlexAttention", gpu,

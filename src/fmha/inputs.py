@@ -218,6 +218,9 @@ def check_inputs(
         total_q, total_k = q.shape[0], k.shape[0]
         need_host = max_seqlen_q is None or max_seqlen_k is None or seqstart_padded_q is not None
         if need_host and not read_indices:
+            if seqstart_padded_q is not None:
+                raise _fail("seqstart_padded_q", "None while tracing or capturing (LSE's row count, "
+                            "seqstart_q[-1], would have to be read on the host)", "a tensor")
             raise ValueError(
                 "max_seqlen_q/max_seqlen_k: expected ints while tracing or capturing (the "
                 "seqstarts cannot be read on the host then), got None"

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from .inputs import AttentionInputs
+from .inputs import AttentionInputs, bias_target
 from .masks import Mask, MaskType
 
 
@@ -25,12 +25,11 @@ def _inputs(
     group = seqstart_q is not None
     batch = seqstart_q.shape[0] - 1 if group else q.shape[0]
     nhead_q = q.shape[-2]
-    bias_target = (nhead_q, q.shape[0], max_seqlen_k) if group else (batch, nhead_q, q.shape[1], k.shape[1])
     return AttentionInputs(
         q=q, k=k, v=v, group=group, batch=batch, nhead_q=nhead_q, nhead_k=k.shape[-2],
         head_dim_q=q.shape[-1], head_dim_v=v.shape[-1], max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         scale=scale, mask=Mask(MaskType(mask_type), window_left, window_right),
-        bias=None if bias is None else bias.expand(bias_target),
+        bias=None if bias is None else bias.expand(bias_target(q, k, group, batch, max_seqlen_k)),
         bias_shape=None if bias is None else tuple(bias.shape), bias_dtype=None if bias is None else bias.dtype,
         alibi_slopes=None if alibi_slopes is None else alibi_slopes.expand(batch, nhead_q),
         dropout_p=dropout_p, seed=None, offset=None, cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k,

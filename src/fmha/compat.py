@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from .api import attention, attention_varlen
-from .masks import Mask, MaskType
+from .masks import Mask, MaskType, boolean_mask_bias
 
 
 def _fa_mask(causal: bool, window_size) -> Mask | None:
@@ -117,8 +117,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     bias = None
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
-            bias = torch.zeros(attn_mask.shape, dtype=torch.float32, device=attn_mask.device)
-            bias = bias.masked_fill(~attn_mask, float("-inf"))
+            bias = boolean_mask_bias(attn_mask)
         else:
             bias = attn_mask if attn_mask.dtype in (query.dtype, torch.float32) else attn_mask.float()
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))

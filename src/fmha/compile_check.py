@@ -118,12 +118,17 @@ def check_fwd(dtype, dq, dv, features: str) -> Result:
     randval = torch.empty(inputs.randval_shape, dtype=torch.uint8) if dropout else None
     philox = torch.zeros(2, dtype=torch.int64) if dropout else None
     grid, kwargs = ops.fwd_kernel_args(inputs, out, lse, randval, philox)
+    return _compile(name, attention_fwd_kernel, grid, kwargs)
+
+
+def _compile(name: str, kernel, grid, kwargs) -> Result:
+    """Compile one launch for sm_90 and measure it; a failure becomes a result, not an exception."""
     try:
-        kernel = attention_fwd_kernel.warmup(grid=grid, **kwargs)
-        regs, spills = _ptxas_report(kernel.asm["ptx"])
+        compiled = kernel.warmup(grid=grid, **kwargs)
+        regs, spills = _ptxas_report(compiled.asm["ptx"])
     except Exception as exc:  # report every failing config, not just the first
         return Result(name, 0, 0, 0, error=f"{type(exc).__name__}: {str(exc)[:300]}")
-    return Result(name, regs, spills, kernel.metadata.shared)
+    return Result(name, regs, spills, compiled.metadata.shared)
 
 
 def check_bwd(dtype, dq, dv, features: str, deterministic: bool) -> list[Result]:
@@ -137,17 +142,8 @@ def check_bwd(dtype, dq, dv, features: str, deterministic: bool) -> list[Result]
     philox = torch.zeros(2, dtype=torch.int64) if inputs.dropout_p > 0 else None
     launches, _ = ops.bwd_launches(inputs, torch.empty_like(out), out, lse, philox=philox,
                                    deterministic=deterministic, bias_grad="bias" in features)
-    results = []
-    for launch in launches:
-        name = f"{prefix} {launch.kernel.__name__.removeprefix('attention_bwd_').removesuffix('_kernel')}"
-        try:
-            kernel = launch.kernel.warmup(grid=launch.grid, **launch.kwargs)
-            regs, spills = _ptxas_report(kernel.asm["ptx"])
-        except Exception as exc:  # report every failing config, not just the first
-            results.append(Result(name, 0, 0, 0, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
-            continue
-        results.append(Result(name, regs, spills, kernel.metadata.shared))
-    return results
+    return [_compile(f"{prefix} {launch.kernel.__name__.removeprefix('attention_bwd_').removesuffix('_kernel')}",
+                     launch.kernel, launch.grid, launch.kwargs) for launch in launches]
 
 
 def _report(res: Result) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from . import reference
 from .api import attention, attention_varlen
-from .testing import error_bound, max_error, random_tensor, random_varlen
+from .testing import error_bound, max_error, prefix_sums, random_tensor, random_varlen
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 HEAD_DIMS = (1, 8, 16, 24, 32, 40, 64, 72, 96, 128, 160, 192, 256)
@@ -156,8 +156,8 @@ def _problem(case: Case, device: str, gen: torch.Generator):
         k = random_tensor((b, case.seqlen_k, case.nhead_k, case.head_dim_q), dtype, device, case.layout, gen)
         v = random_tensor((b, case.seqlen_k, case.nhead_k, case.head_dim_v), dtype, device, case.layout, gen)
         if case.effective:
-            kwargs["cu_seqlen_q"] = torch.tensor([0, *_cumsum(case.lengths_q)], dtype=torch.int32, device=device)
-            kwargs["cu_seqlen_k"] = torch.tensor([0, *_cumsum(case.lengths_k)], dtype=torch.int32, device=device)
+            kwargs["cu_seqlen_q"] = prefix_sums(case.lengths_q, device)
+            kwargs["cu_seqlen_k"] = prefix_sums(case.lengths_k, device)
         fn = attention
     if case.bias_shape is not None:
         kwargs["bias"] = torch.randn(case.bias_shape, generator=gen).to(device=device, dtype=dtype)
@@ -165,14 +165,6 @@ def _problem(case: Case, device: str, gen: torch.Generator):
         slopes = torch.rand((case.nhead_q,) if case.alibi == "h" else (b, case.nhead_q), generator=gen)
         kwargs["alibi_slopes"] = slopes.to(device)
     return q, k, v, fn, kwargs
-
-
-def _cumsum(values: list[int]) -> list[int]:
-    total, out = 0, []
-    for x in values:
-        total += x
-        out.append(total)
-    return out
 
 
 def _leaves(q, k, v, kwargs, dtype):
@@ -190,7 +182,7 @@ def _row_delta(case: Case, dout, out, exact_out) -> torch.Tensor:
     delta = (dout.double() * (out.double() - exact_out.double())).sum(-1)
     if not case.group:
         return delta.permute(0, 2, 1)  # [B, Sq, Hq] -> [B, Hq, Sq]
-    starts = _cumsum([0] + (case.slots_q or case.lengths_q))
+    starts = prefix_sums(case.slots_q or case.lengths_q).tolist()
     rows = [r for b, n in enumerate(case.lengths_q) for r in range(starts[b], starts[b] + n)]
     return delta[torch.tensor(rows, dtype=torch.long, device=delta.device)].T
 
@@ -225,11 +217,7 @@ def run_case(case: Case, device: str) -> list[str]:
     gen = torch.Generator().manual_seed(case.seed % 2**63)
     q, k, v, fn, kwargs = _problem(case, device, gen)
     dtype = q.dtype
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    fmha_kwargs = dict(kwargs)
-    if "bias" in kwargs:
-        leaves.append(kwargs["bias"].detach().requires_grad_())
-        fmha_kwargs["bias"] = leaves[-1]
+    leaves, fmha_kwargs = _leaves(q, k, v, kwargs, dtype)
     out, lse, _ = fn(*leaves[:3], deterministic=case.deterministic, return_lse=True, **fmha_kwargs)
     dout = _dout(case, tuple(out.shape), dtype, device, gen)
     grads = torch.autograd.grad(out, leaves, dout, allow_unused=True)

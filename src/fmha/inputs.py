@@ -75,6 +75,13 @@ class AttentionInputs:
         return (self.batch, self.nhead_q, self.q.shape[1], self.k.shape[1])
 
 
+def bias_target(q: torch.Tensor, k: torch.Tensor, group: bool, batch: int, max_seqlen_k: int) -> tuple[int, ...]:
+    """The shape a bias broadcasts to: batch ``[B, Hq, Sq, Sk]``, group ``[Hq, total_q, max_seqlen_k]``."""
+    if group:
+        return (q.shape[-2], q.shape[0], int(max_seqlen_k))
+    return (batch, q.shape[-2], q.shape[1], k.shape[1])
+
+
 def _fail(name: str, expected: str, got) -> ValueError:
     return ValueError(f"{name}: expected {expected}, got {got}")
 
@@ -253,7 +260,6 @@ def check_inputs(
         inputs.update(seqstart_q=seqstart_q, seqstart_k=seqstart_k, seqlen_k=seqlen_k,
                       seqstart_padded_q=seqstart_padded_q, seqstart_padded_k=seqstart_padded_k,
                       lse_rows=lse_rows)
-        bias_target = (nhead_q, total_q, int(max_seqlen_k))
     else:
         for name, value in (("seqlen_k", seqlen_k), ("seqstart_padded_q", seqstart_padded_q),
                             ("seqstart_padded_k", seqstart_padded_k)):
@@ -274,8 +280,8 @@ def check_inputs(
                     raise _fail(name, f"prefix sums from 0 of lengths in [0, {full}]", starts)
         inputs.update(cu_seqlen_q=cu_seqlen_q, cu_seqlen_k=cu_seqlen_k)
         max_seqlen_q, max_seqlen_k = seqlen_q_full, seqlen_k_full
-        bias_target = (batch, nhead_q, seqlen_q_full, seqlen_k_full)
 
+    target = bias_target(q, k, group, batch, max_seqlen_k)
     bias_shape = bias_dtype = None
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
@@ -286,11 +292,11 @@ def check_inputs(
             raise _fail("bias", f"a tensor on {device} (where q is)", f"one on {bias.device}")
         bias_given, bias_dtype = tuple(bias.shape), bias.dtype
         try:
-            if bias.dim() > len(bias_target):
+            if bias.dim() > len(target):
                 raise RuntimeError
-            bias = bias.expand(bias_target)
+            bias = bias.expand(target)
         except RuntimeError:
-            raise _fail("bias", f"a shape that broadcasts to {bias_target}", tuple(bias.shape)) from None
+            raise _fail("bias", f"a shape that broadcasts to {target}", tuple(bias.shape)) from None
         bias_shape = bias_given
     if alibi_slopes is not None:
         if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple, Union
 
+import torch
+
 
 class MaskType(enum.IntEnum):
     """Which corner the diagonal of a mask starts from (CK's ``mask_enum``)."""
@@ -105,3 +107,8 @@ def parse_mask(spec: MaskLike) -> Mask:
     raise ValueError(
         f"mask: expected one of 0/n, 1/t, 2/b, t:l,r, b:l,r, xt:w, xb:w, g:y,x, got {spec!r}"
     )
+
+
+def boolean_mask_bias(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean mask (True = takes part) as an additive fp32 bias of its own shape: 0 or -inf."""
+    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask, float("-inf"))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..api import attention
+from ..masks import boolean_mask_bias
 
 NAME = "fmha"
 
@@ -36,8 +37,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     bias = None
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
-            bias = torch.zeros(attention_mask.shape, dtype=torch.float32, device=attention_mask.device)
-            bias = bias.masked_fill(~attention_mask, float("-inf"))
+            bias = boolean_mask_bias(attention_mask)
         else:
             bias = attention_mask.float()
     if position_bias is not None:

@@ -349,20 +349,20 @@ def attention_bwd_dkdv_kernel(
         for m0 in range(split_lo, split_hi, BLOCK_M):
             dk, dv = _dkdv_tile(
                 dk, dv, k, v, m0, n0, q_base, do_base, lse_base, delta_base, dq_base, DQAccDesc,
-                dq_desc_row, dq_desc_col, bias_base, dbias_base, offs_n, sq, sk, diag, left, right,
-                qk_scale, dq_scale, slope_log2, alibi_diag, seed, offset, bh_index, drop_threshold,
-                drop_rescale, stride_qs, stride_dos, stride_dqs, stride_bs, stride_bk, stride_dbs,
-                stride_dbk, BLOCK_M, BLOCK_N, BLOCK_DQ, BLOCK_DV, HEAD_DIM_Q, HEAD_DIM_V, False, HAS_BIAS, STORE_DBIAS,
+                dq_desc_row, dq_desc_col, bias_base, dbias_base, offs_n, sq, sk, diag, left, right, qk_scale, dq_scale, slope_log2,
+                alibi_diag, seed, offset, bh_index, drop_threshold, drop_rescale, stride_qs, stride_dos,
+                stride_dqs, stride_bs, stride_bk, stride_dbs, stride_dbk, BLOCK_M, BLOCK_N,
+                BLOCK_DQ, BLOCK_DV, HEAD_DIM_Q, HEAD_DIM_V, False, HAS_BIAS, STORE_DBIAS,
                 ALIBI_MODE, HAS_DROPOUT, ATOMIC_DQ, DQ_TMA, UPCAST, DOT_PRECISION, ACC_DTYPE,
             )
         for t in range(0, edge_tiles):
             m0 = tl.where(t < edge_before, tile_lo + t * BLOCK_M, split_hi + (t - edge_before) * BLOCK_M)
             dk, dv = _dkdv_tile(
                 dk, dv, k, v, m0, n0, q_base, do_base, lse_base, delta_base, dq_base, DQAccDesc,
-                dq_desc_row, dq_desc_col, bias_base, dbias_base, offs_n, sq, sk, diag, left, right,
-                qk_scale, dq_scale, slope_log2, alibi_diag, seed, offset, bh_index, drop_threshold,
-                drop_rescale, stride_qs, stride_dos, stride_dqs, stride_bs, stride_bk, stride_dbs,
-                stride_dbk, BLOCK_M, BLOCK_N, BLOCK_DQ, BLOCK_DV, HEAD_DIM_Q, HEAD_DIM_V, True, HAS_BIAS, STORE_DBIAS,
+                dq_desc_row, dq_desc_col, bias_base, dbias_base, offs_n, sq, sk, diag, left, right, qk_scale, dq_scale, slope_log2,
+                alibi_diag, seed, offset, bh_index, drop_threshold, drop_rescale, stride_qs, stride_dos,
+                stride_dqs, stride_bs, stride_bk, stride_dbs, stride_dbk, BLOCK_M, BLOCK_N,
+                BLOCK_DQ, BLOCK_DV, HEAD_DIM_Q, HEAD_DIM_V, True, HAS_BIAS, STORE_DBIAS,
                 ALIBI_MODE, HAS_DROPOUT, ATOMIC_DQ, DQ_TMA, UPCAST, DOT_PRECISION, ACC_DTYPE,
             )
 

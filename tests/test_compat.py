@@ -51,19 +51,20 @@ def fa_reference(q, k, v, scale=None, causal=False, window=(-1, -1), alibi=None,
     dict(alibi=True), dict(alibi=True, causal=True), dict(softmax_scale=0.3),
 ])
 @pytest.mark.parametrize("seqlens", [(23, 40), (40, 23)])
-def test_flash_attn_func(kwargs, seqlens, gen):
+def test_flash_attn_func(kwargs, seqlens, device, gen):
     kwargs = dict(kwargs)
     q, k, v = random_qkv(2, *seqlens, 4, 2, 32, 32, dtype=torch.float32, generator=gen)
     alibi = torch.rand(2, 4, generator=gen) if kwargs.pop("alibi", False) else None
-    out = compat.flash_attn_func(q, k, v, alibi_slopes=alibi, **kwargs)
+    out = compat.flash_attn_func(q.to(device), k.to(device), v.to(device),
+                                 alibi_slopes=alibi.to(device) if alibi is not None else None, **kwargs).cpu()
     ref = dict(scale=kwargs.get("softmax_scale"), causal=kwargs.get("causal", False),
                window=kwargs.get("window_size", (-1, -1)), alibi=alibi)
     assert_close_to(out, fa_reference(q, k, v, **ref), fa_reference(q, k, v, dtype=torch.float32, **ref))
 
 
-def test_flash_attn_qkvpacked_func_gradients_reach_qkv(gen):
+def test_flash_attn_qkvpacked_func_gradients_reach_qkv(device, gen):
     qkv = torch.randn(2, 30, 3, 4, 16, generator=gen).requires_grad_()
-    out, lse, s_dmask = compat.flash_attn_qkvpacked_func(qkv, causal=True, return_attn_probs=True)
+    out, lse, s_dmask = compat.flash_attn_qkvpacked_func(qkv.to(device), causal=True, return_attn_probs=True)
     assert lse.shape == (2, 4, 30) and s_dmask is None
     out.sum().backward()
     grads = []
@@ -74,12 +75,13 @@ def test_flash_attn_qkvpacked_func_gradients_reach_qkv(gen):
     assert_close_to(qkv.grad, *grads)
 
 
-def test_flash_attn_varlen_func(gen):
+def test_flash_attn_varlen_func(device, gen):
     lens_q, lens_k = [7, 30, 1], [12, 25, 9]
     q = torch.randn(sum(lens_q), 4, 32, generator=gen)
     k, v = (torch.randn(sum(lens_k), 2, 32, generator=gen) for _ in range(2))
-    out = compat.flash_attn_varlen_func(q, k, v, prefix_sums(lens_q), prefix_sums(lens_k), 30, 25, causal=True,
-                                        window_size=(6, 0))
+    out = compat.flash_attn_varlen_func(q.to(device), k.to(device), v.to(device), prefix_sums(lens_q).to(device),
+                                        prefix_sums(lens_k).to(device), 30, 25, causal=True,
+                                        window_size=(6, 0)).cpu()
     starts_q, starts_k = prefix_sums(lens_q).tolist(), prefix_sums(lens_k).tolist()
     for b in range(3):
         seq = (q[None, starts_q[b]:starts_q[b + 1]], k[None, starts_k[b]:starts_k[b + 1]],
@@ -102,7 +104,7 @@ def _sdpa_inputs(gen, b=2, hq=4, hk=4, sq=21, sk=33, d=16):
 
 
 @pytest.mark.parametrize("case", ["plain", "causal", "bool mask", "float mask", "gqa", "scale"])
-def test_sdpa_matches_torch(case, gen):
+def test_sdpa_matches_torch(case, device, gen):
     tensors = _sdpa_inputs(gen, hk=2 if case == "gqa" else 4)
     kwargs = {"causal": dict(is_causal=True), "gqa": dict(enable_gqa=True), "scale": dict(scale=0.7)}.get(case, {})
     if case == "bool mask":
@@ -111,7 +113,8 @@ def test_sdpa_matches_torch(case, gen):
         kwargs = dict(attn_mask=mask)
     if case == "float mask":
         kwargs = dict(attn_mask=torch.randn(2, 1, 21, 33, generator=gen).requires_grad_())
-    out = compat.scaled_dot_product_attention(*tensors, **kwargs)
+    on_device = {name: t.to(device) if isinstance(t, torch.Tensor) else t for name, t in kwargs.items()}
+    out = compat.scaled_dot_product_attention(*(t.to(device) for t in tensors), **on_device).cpu()
     dout = torch.randn(out.shape, generator=gen)
     mask_leaf = [kwargs["attn_mask"]] if case == "float mask" else []
     got = [out, *torch.autograd.grad(out, tensors + mask_leaf, dout)]
@@ -126,12 +129,22 @@ def test_sdpa_matches_torch(case, gen):
         assert_close_to(g, exact, low)
 
 
-def test_sdpa_falls_back_to_torch_and_says_so_once(gen):
+def test_sdpa_falls_back_to_torch_and_says_so_once(device, gen):
     compat._warned.clear()
-    q = torch.randn(3, 10, 16, generator=gen)  # [H, S, D]: not a 4-D call
+    q = torch.randn(3, 10, 16, generator=gen).to(device)  # [H, S, D]: not a 4-D call
     with pytest.warns(UserWarning, match="only \\[B, H, S, D\\] tensors run on fmha"):
         out = compat.scaled_dot_product_attention(q, q, q)
     assert max_error(out, torch.nn.functional.scaled_dot_product_attention(q, q, q)) == 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         compat.scaled_dot_product_attention(q, q, q)
+
+
+def test_sdpa_falls_back_for_cpu_tensors_when_kernels_are_compiled(monkeypatch, gen):
+    """With kernels compiled for the GPU (no interpreter), CPU tensors go to torch, with a warning."""
+    monkeypatch.setattr(compat, "INTERPRET", False)
+    compat._warned.clear()
+    q = torch.randn(1, 2, 10, 16, generator=gen)
+    with pytest.warns(UserWarning, match="tensors on cpu run on fmha only in Triton's interpreter"):
+        out = compat.scaled_dot_product_attention(q, q, q)
+    assert max_error(out, torch.nn.functional.scaled_dot_product_attention(q, q, q)) == 0

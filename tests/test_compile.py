@@ -27,21 +27,21 @@ def _fwd_args(q, k, v, bias=None, philox=None, dropout_p=0.0, group=None, mask=(
             return_randval, False)
 
 
-def test_opcheck_fwd_and_bwd_batch(gen):
-    q, k, v = random_qkv(2, 37, 45, 4, 2, 32, 16, dtype=torch.float32, generator=gen)
-    bias = torch.randn(37, 45, generator=gen)
+def test_opcheck_fwd_and_bwd_batch(device, gen):
+    q, k, v = random_qkv(2, 37, 45, 4, 2, 32, 16, dtype=torch.float32, device=device, generator=gen)
+    bias = torch.randn(37, 45, generator=gen).to(device)
     philox = ops.philox_seed_offset(3, 1, q.device)
     args = _fwd_args(*(t.requires_grad_() for t in (q, k, v, bias)), philox=philox, dropout_p=0.2)
     torch.library.opcheck(torch.ops.fmha.fwd.default, args)
     out, lse, _ = torch.ops.fmha.fwd(*args)
-    bwd_args = (torch.randn(out.shape, generator=gen), q.detach(), k.detach(), v.detach(), out.detach(),
+    bwd_args = (torch.randn(out.shape, generator=gen).to(device), q.detach(), k.detach(), v.detach(), out.detach(),
                 lse.detach(), bias.detach(), *args[4:21], False, True)
     torch.library.opcheck(torch.ops.fmha.bwd.default, bwd_args)
 
 
-def test_opcheck_fwd_group_with_padding(gen):
+def test_opcheck_fwd_group_with_padding(device, gen):
     batch = random_varlen([5, 0, 9], [7, 3, 8], 2, 1, 16, 16, pad_q=[6, 1, 9], pad_k=[8, 3, 8],
-                          dtype=torch.float32, generator=gen)
+                          dtype=torch.float32, device=device, generator=gen)
     batch.q, batch.k, batch.v = (torch.nan_to_num(t) for t in (batch.q, batch.k, batch.v))
     batch.max_q, batch.max_k = 9, 8
     args = _fwd_args(*(t.requires_grad_() for t in (batch.q, batch.k, batch.v)), group=batch, mask=(1, 3, 2),

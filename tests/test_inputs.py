@@ -1,9 +1,12 @@
 """Every bad input raises ValueError naming the argument, what was expected and what was given."""
 
+from unittest import mock
+
 import pytest
 import torch
 
 import fmha
+import fmha.inputs
 from fmha.testing import prefix_sums
 
 
@@ -126,6 +129,20 @@ def test_bwd_errors(args, kwargs, match):
     expect_error(match, fmha.bwd, *args, **kwargs)
 
 
+# Where the kernels are compiled for the GPU (no interpreter), CPU tensors are refused up front.
+DEVICE_ERRORS = [
+    ("fmha.attention", fmha.attention, (Q, K, V)),
+    ("fmha.bwd", fmha.bwd, (OUT, Q, K, V, OUT, LSE)),
+]
+
+
+@pytest.mark.parametrize("call", DEVICE_ERRORS, ids=[name for name, _, _ in DEVICE_ERRORS])
+def test_cpu_tensors_need_the_interpreter(call, monkeypatch):
+    monkeypatch.setattr(fmha.inputs, "INTERPRET", False)
+    _, fn, args = call
+    expect_error(r"^q: expected a CUDA tensor \(CPU tensors run only in Triton's interpreter", fn, *args)
+
+
 def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
         text = f"{value.dtype}".removeprefix("torch.") + str(tuple(value.shape))
@@ -145,11 +162,14 @@ def _rows():
               for kwargs, _ in GROUP_ERRORS]
     calls += [("fmha.bwd", fmha.bwd, args, kwargs, ("dout", "q", "k", "v", "out", "lse"))
               for args, kwargs, _ in BWD_ERRORS]
+    calls += [(f"{name} (GPU build)", fn, args, {}, ("dout", "q", "k", "v", "out", "lse") if name == "fmha.bwd"
+               else ("q", "k", "v")) for name, fn, args in DEVICE_ERRORS]
     for name, fn, args, kwargs, arg_names in calls:
         given = [f"{n}={_describe(a)}" for n, a in zip(arg_names, args)]
         given += [f"{k}={_describe(v)}" for k, v in kwargs.items()]
         try:
-            fn(*args, **kwargs)
+            with mock.patch.object(fmha.inputs, "INTERPRET", fmha.inputs.INTERPRET and "GPU build" not in name):
+                fn(*args, **kwargs)
         except ValueError as exc:
             yield name, ", ".join(given), str(exc)
 
@@ -175,7 +195,7 @@ DOCS_TABLE = __import__("pathlib").Path(__file__).resolve().parent.parent / "doc
 
 
 def test_docs_table_is_current():
-    assert len(list(_rows())) == len(BATCH_ERRORS) + len(GROUP_ERRORS) + len(BWD_ERRORS)
+    assert len(list(_rows())) == len(BATCH_ERRORS) + len(GROUP_ERRORS) + len(BWD_ERRORS) + len(DEVICE_ERRORS)
     assert DOCS_TABLE.read_text() == render_table(), "docs/rejected-inputs.md is stale: python tests/test_inputs.py"
 
 

@@ -12,7 +12,7 @@ import fmha.integrations.transformers as fmha_hf
 transformers = pytest.importorskip("transformers")  # installed by the test extra; optional for users
 
 
-def test_register_and_train_like_eager():
+def test_register_and_train_like_eager(device):
     fmha_hf.register()
     config = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64)
@@ -20,8 +20,9 @@ def test_register_and_train_like_eager():
     eager = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, attn_implementation="eager"))
     ours = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, attn_implementation="fmha"))
     ours.load_state_dict(eager.state_dict())
+    eager, ours = eager.to(device), ours.to(device)
     assert ours.config._attn_implementation == "fmha"
-    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1)).to(device)
     mask = torch.ones_like(ids)
     mask[1, -5:] = 0
     labels = ids.masked_fill(mask == 0, -100)
@@ -38,7 +39,7 @@ def test_register_and_train_like_eager():
 
 
 def test_attention_forward_rejects_softcap():
-    q = torch.randn(1, 2, 4, 8)
+    q = torch.randn(1, 2, 4, 8)  # rejected before any kernel, wherever it lives
     with pytest.raises(ValueError, match=r"^softcap: expected None"):
         fmha_hf.attention_forward(torch.nn.Module(), q, q, q, None, softcap=30.0)
 

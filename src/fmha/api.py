@@ -8,7 +8,7 @@ import torch
 
 from . import ops
 from . import autograd  # noqa: F401  (registers the fmha:: custom ops)
-from .inputs import check_inputs
+from .inputs import check_inputs, check_kernel_device
 from .masks import MaskLike
 
 
@@ -65,6 +65,7 @@ def fwd(
     )
     if out is not None:
         _check_out(out, inputs.out_shape, q)
+    check_kernel_device(q)
     philox = None
     if inputs.dropout_p > 0:
         philox = ops.philox_seed_offset(inputs.seed, inputs.offset, q.device)
@@ -86,6 +87,7 @@ def _differentiable(q, k, v, *, deterministic, return_lse, return_randval, **kwa
     """The autograd path shared by ``attention`` and ``attention_varlen``: validate, then run the
     ``fmha::fwd`` custom op (whose registered backward is ``fmha::bwd``)."""
     inputs = check_inputs(q, k, v, **kwargs)
+    check_kernel_device(q)
     philox = None
     if inputs.dropout_p > 0:
         philox = ops.philox_seed_offset(inputs.seed, inputs.offset, q.device)
@@ -232,6 +234,7 @@ def bwd(
             raise ValueError(f"{name}: expected a tensor of shape {tuple(shape)}, got {getattr(t, 'shape', t)}")
         if t.dtype != dtype or t.device != q.device:
             raise ValueError(f"{name}: expected {dtype} on {q.device}, got {t.dtype} on {t.device}")
+    check_kernel_device(q)
     philox = None
     if inputs.dropout_p > 0:
         if inputs.seed is None or inputs.offset is None:

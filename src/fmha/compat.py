@@ -15,6 +15,7 @@ import warnings
 
 import torch
 
+from ._backend import INTERPRET
 from .api import attention, attention_varlen
 from .masks import Mask, MaskType, boolean_mask_bias
 
@@ -89,6 +90,8 @@ def _fallback(reason: str, query, key, value, attn_mask, dropout_p, is_causal, s
 
 def _unsupported(query, key, value, attn_mask, is_causal, enable_gqa) -> str | None:
     """Why fmha cannot run this call (None when it can)."""
+    if not INTERPRET and query.device.type != "cuda":
+        return f"tensors on {query.device.type} run on fmha only in Triton's interpreter"
     if any(t.dim() != 4 for t in (query, key, value)):
         return "only [B, H, S, D] tensors run on fmha"
     dtypes = {t.dtype for t in (query, key, value)}

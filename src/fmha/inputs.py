@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._backend import INTERPRET
 from .masks import Mask, MaskLike, parse_mask
 
 # float64 exists for gradcheck and as a high-precision oracle; it is slow on GPUs.
@@ -84,6 +85,14 @@ def bias_target(q: torch.Tensor, k: torch.Tensor, group: bool, batch: int, max_s
 
 def _fail(name: str, expected: str, got) -> ValueError:
     return ValueError(f"{name}: expected {expected}, got {got}")
+
+
+def check_kernel_device(q: torch.Tensor) -> None:
+    """Kernels compiled for the GPU read CUDA memory; CPU tensors run only in Triton's interpreter,
+    which fmha selects when it is imported on a machine without CUDA (or with TRITON_INTERPRET=1)."""
+    if not INTERPRET and q.device.type not in ("cuda", "meta"):
+        raise _fail("q", "a CUDA tensor (CPU tensors run only in Triton's interpreter: set TRITON_INTERPRET=1 "
+                    "before importing fmha)", f"one on {q.device}")
 
 
 def _describe(t: torch.Tensor) -> str:

@@ -109,6 +109,7 @@ def _problem_args(inputs: AttentionInputs, philox: torch.Tensor | None) -> dict:
     mode, alibi_from_bottom_right = alibi_mode(inputs)
     mask = inputs.mask
     has_dropout = inputs.dropout_p > 0
+    log2_scores = q.dtype in (torch.float16, torch.bfloat16)
     if has_dropout and philox is None:
         raise ValueError("philox: expected the (seed, offset) tensor when dropout_p > 0, got None")
     return dict(
@@ -128,7 +129,9 @@ def _problem_args(inputs: AttentionInputs, philox: torch.Tensor | None) -> dict:
         seqlen_k=k.shape[1] if not group else 0,
         nhead_q=inputs.nhead_q,
         head_ratio=inputs.nhead_q // inputs.nhead_k,
-        qk_scale=inputs.scale * LOG2E,
+        # Scores in log2 units (exp2 of one subtraction) except for fp32/fp64, see to_score_units.
+        qk_scale=inputs.scale * (LOG2E if log2_scores else 1.0),
+        LOG2_SCORES=log2_scores,
         window_left=mask.left,
         window_right=mask.right,
         mask_bottom_right=int(mask.type == MaskType.BOTTOM_RIGHT),

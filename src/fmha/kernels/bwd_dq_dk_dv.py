@@ -9,7 +9,7 @@ adds each tile's dQ contribution to an fp32 accumulator with atomics. It writes 
 ``attention_bwd_dq_kernel`` (deterministic mode): one program per (query tile, query head, batch)
 that walks the key tiles in a fixed order and keeps dQ in registers: no atomics, no workspace.
 
-Both work in log2 units like the forward: ``P = exp2(S * scale * log2(e) + ... - LSE * log2(e))``.
+Both hold scores in the forward's units (``to_score_units``): ``P = exp(S * scale + ... - LSE)``.
 With ``D = (1 - p) * rowsum(dO * O)`` and ``Z`` the keep mask, the true ``dS = P * (Z * dP - D) / (1 - p)``.
 """
 
@@ -18,11 +18,12 @@ import triton.language as tl
 
 from .common import (
     ALIBI_NONE,
-    LOG2E,
-    alibi_log2,
+    alibi_scores,
     dropout_bytes,
+    exp_of_scores,
     load_philox,
     sequence_bounds,
+    to_score_units,
     visible,
     window_bounds,
 )
@@ -54,7 +55,7 @@ def _dkdv_tile(
     right,
     qk_scale,
     dq_scale,
-    slope_log2,
+    slope,
     alibi_diag,
     seed,
     offset,
@@ -84,6 +85,7 @@ def _dkdv_tile(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
+    LOG2_SCORES: tl.constexpr,
 ):
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_dq = tl.arange(0, BLOCK_DQ)
@@ -116,7 +118,7 @@ def _dkdv_tile(
         q = q.to(tl.float32)
         do = do.to(tl.float32)
     # Fully masked rows carry LSE = -inf: read it as 0 so that P = exp2(-inf) = 0.
-    lse_log2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+    lse_s = tl.where(lse == float("-inf"), 0.0, to_score_units(lse, LOG2_SCORES))
 
     # Scores transposed, [keys, queries]: every product but dQ's has the key tile as its rows,
     # so the matrix units see BLOCK_N (not the short query tile) as their M dimension.
@@ -130,12 +132,12 @@ def _dkdv_tile(
             bias = tl.load(bias_ptrs, mask=(j < sk) & (i < sq), other=0.0)
         else:
             bias = tl.load(bias_ptrs)
-        s_t += bias.to(ACC_DTYPE) * LOG2E
+        s_t += to_score_units(bias.to(ACC_DTYPE), LOG2_SCORES)
     if ALIBI_MODE != ALIBI_NONE:
-        s_t += alibi_log2(slope_log2, i, j, alibi_diag, ALIBI_MODE)
+        s_t += alibi_scores(slope, i, j, alibi_diag, ALIBI_MODE)
     if EDGE:
         s_t = tl.where(visible(i, j, sk, diag, left, right) & (i < sq), s_t, float("-inf"))
-    p_t = tl.math.exp2(s_t - lse_log2[None, :])
+    p_t = exp_of_scores(s_t, lse_s[None, :], LOG2_SCORES)
 
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
     if HAS_DROPOUT:
@@ -262,6 +264,7 @@ def attention_bwd_dkdv_kernel(
     DQ_TMA: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    LOG2_SCORES: tl.constexpr,
 ):
     # float64 inputs accumulate in float64 (for gradcheck); everything else in float32.
     ACC_DTYPE: tl.constexpr = tl.float64 if Q.dtype.element_ty == tl.float64 else tl.float32
@@ -316,7 +319,7 @@ def attention_bwd_dkdv_kernel(
     edge_before = tl.cdiv(split_lo - tile_lo, BLOCK_M)
     edge_tiles = edge_before + tl.cdiv(q_hi - split_hi, BLOCK_M)
 
-    slope_log2 = 0.0
+    slope = 0.0
     alibi_diag = 0
     if ALIBI_MODE != ALIBI_NONE:
         alibi_diag = alibi_bottom_right * (sk - sq)
@@ -341,7 +344,7 @@ def attention_bwd_dkdv_kernel(
         if STORE_DBIAS:
             dbias_base = DBias + b64 * stride_dbb + h64 * stride_dbh + q_row0.to(tl.int64) * stride_dbs
         if ALIBI_MODE != ALIBI_NONE:
-            slope_log2 = tl.load(AlibiSlopes + b * stride_ab + h * stride_ah) * LOG2E
+            slope = to_score_units(tl.load(AlibiSlopes + b * stride_ab + h * stride_ah), LOG2_SCORES)
         bh_index = b * nhead_q + h
         # The fp32 dQ accumulator seen as [rows, nhead_q * BLOCK_DQ]: this head's tile origin.
         dq_desc_row = b * dq_desc_rows_per_batch + q_row0
@@ -349,21 +352,21 @@ def attention_bwd_dkdv_kernel(
         for m0 in range(split_lo, split_hi, BLOCK_M):
             dk, dv = _dkdv_tile(
                 dk, dv, k, v, m0, n0, q_base, do_base, lse_base, delta_base, dq_base, DQAccDesc,
-                dq_desc_row, dq_desc_col, bias_base, dbias_base, offs_n, sq, sk, diag, left, right, qk_scale, dq_scale, slope_log2,
+                dq_desc_row, dq_desc_col, bias_base, dbias_base, offs_n, sq, sk, diag, left, right, qk_scale, dq_scale, slope,
                 alibi_diag, seed, offset, bh_index, drop_threshold, drop_rescale, stride_qs, stride_dos,
                 stride_dqs, stride_bs, stride_bk, stride_dbs, stride_dbk, BLOCK_M, BLOCK_N,
                 BLOCK_DQ, BLOCK_DV, HEAD_DIM_Q, HEAD_DIM_V, False, HAS_BIAS, STORE_DBIAS,
-                ALIBI_MODE, HAS_DROPOUT, ATOMIC_DQ, DQ_TMA, UPCAST, DOT_PRECISION, ACC_DTYPE,
+                ALIBI_MODE, HAS_DROPOUT, ATOMIC_DQ, DQ_TMA, UPCAST, DOT_PRECISION, ACC_DTYPE, LOG2_SCORES,
             )
         for t in range(0, edge_tiles):
             m0 = tl.where(t < edge_before, tile_lo + t * BLOCK_M, split_hi + (t - edge_before) * BLOCK_M)
             dk, dv = _dkdv_tile(
                 dk, dv, k, v, m0, n0, q_base, do_base, lse_base, delta_base, dq_base, DQAccDesc,
-                dq_desc_row, dq_desc_col, bias_base, dbias_base, offs_n, sq, sk, diag, left, right, qk_scale, dq_scale, slope_log2,
+                dq_desc_row, dq_desc_col, bias_base, dbias_base, offs_n, sq, sk, diag, left, right, qk_scale, dq_scale, slope,
                 alibi_diag, seed, offset, bh_index, drop_threshold, drop_rescale, stride_qs, stride_dos,
                 stride_dqs, stride_bs, stride_bk, stride_dbs, stride_dbk, BLOCK_M, BLOCK_N,
                 BLOCK_DQ, BLOCK_DV, HEAD_DIM_Q, HEAD_DIM_V, True, HAS_BIAS, STORE_DBIAS,
-                ALIBI_MODE, HAS_DROPOUT, ATOMIC_DQ, DQ_TMA, UPCAST, DOT_PRECISION, ACC_DTYPE,
+                ALIBI_MODE, HAS_DROPOUT, ATOMIC_DQ, DQ_TMA, UPCAST, DOT_PRECISION, ACC_DTYPE, LOG2_SCORES,
             )
 
     dk_ptrs = DK + b64 * stride_dkb + hk64 * stride_dkh + key_rows[:, None] * stride_dks + offs_dq[None, :]
@@ -377,7 +380,7 @@ def _dq_tile(
     dq,
     q,
     do,
-    lse_log2,
+    lse_s,
     delta,
     start_n,
     k_base,
@@ -391,7 +394,7 @@ def _dq_tile(
     left,
     right,
     qk_scale,
-    slope_log2,
+    slope,
     alibi_diag,
     seed,
     offset,
@@ -414,6 +417,7 @@ def _dq_tile(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
+    LOG2_SCORES: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dq = tl.arange(0, BLOCK_DQ)
@@ -447,12 +451,12 @@ def _dq_tile(
             bias = tl.load(bias_ptrs, mask=j < sk, other=0.0)
         else:
             bias = tl.load(bias_ptrs)
-        s += bias.to(ACC_DTYPE) * LOG2E
+        s += to_score_units(bias.to(ACC_DTYPE), LOG2_SCORES)
     if ALIBI_MODE != ALIBI_NONE:
-        s += alibi_log2(slope_log2, i, j, alibi_diag, ALIBI_MODE)
+        s += alibi_scores(slope, i, j, alibi_diag, ALIBI_MODE)
     if EDGE:
         s = tl.where(visible(i, j, sk, diag, left, right), s, float("-inf"))
-    p = tl.math.exp2(s - lse_log2[:, None])
+    p = exp_of_scores(s, lse_s[:, None], LOG2_SCORES)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
     if HAS_DROPOUT:
         keep = dropout_bytes(seed, offset, bh_index, m0, offs_n, BLOCK_M, BLOCK_N) <= drop_threshold
@@ -537,6 +541,7 @@ def attention_bwd_dq_kernel(
     HAS_DROPOUT: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    LOG2_SCORES: tl.constexpr,
 ):
     # float64 inputs accumulate in float64 (for gradcheck); everything else in float32.
     ACC_DTYPE: tl.constexpr = tl.float64 if Q.dtype.element_ty == tl.float64 else tl.float32
@@ -571,7 +576,7 @@ def attention_bwd_dq_kernel(
         q = q.to(tl.float32)
         do = do.to(tl.float32)
     lse = tl.load(Lse + b64 * stride_lb + h64 * stride_lh + lse_row0 + offs_m, mask=row_ok, other=0.0)
-    lse_log2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+    lse_s = tl.where(lse == float("-inf"), 0.0, to_score_units(lse, LOG2_SCORES))
     delta = tl.load(Delta + b64 * stride_lb + h64 * stride_lh + lse_row0 + offs_m, mask=row_ok, other=0.0)
     k_base = K + b64 * stride_kb + hk64 * stride_kh + k_row0.to(tl.int64) * stride_ks
     v_base = V + b64 * stride_vb + hk64 * stride_vh + k_row0.to(tl.int64) * stride_vs
@@ -580,10 +585,10 @@ def attention_bwd_dq_kernel(
     bias_rows = tl.minimum(offs_m, sq - 1) - m0
     if HAS_BIAS:
         bias_base = Bias + b64 * stride_bb + h64 * stride_bh + (q_row0 + m0).to(tl.int64) * stride_bs
-    slope_log2 = 0.0
+    slope = 0.0
     alibi_diag = 0
     if ALIBI_MODE != ALIBI_NONE:
-        slope_log2 = tl.load(AlibiSlopes + b * stride_ab + h * stride_ah) * LOG2E
+        slope = to_score_units(tl.load(AlibiSlopes + b * stride_ab + h * stride_ah), LOG2_SCORES)
         alibi_diag = alibi_bottom_right * (sk - sq)
     seed = tl.zeros((), dtype=tl.uint64)
     offset = tl.zeros((), dtype=tl.uint64)
@@ -613,18 +618,18 @@ def attention_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_DQ], dtype=ACC_DTYPE)
     for start_n in range(split_lo, split_hi, BLOCK_N):
         dq = _dq_tile(
-            dq, q, do, lse_log2, delta, start_n, k_base, v_base, bias_base, bias_rows, offs_m, m0, sk, diag,
-            left, right, qk_scale, slope_log2, alibi_diag, seed, offset, bh_index, drop_threshold,
+            dq, q, do, lse_s, delta, start_n, k_base, v_base, bias_base, bias_rows, offs_m, m0, sk, diag,
+            left, right, qk_scale, slope, alibi_diag, seed, offset, bh_index, drop_threshold,
             stride_ks, stride_vs, stride_bs, stride_bk, BLOCK_M, BLOCK_N, BLOCK_DQ, BLOCK_DV,
-            HEAD_DIM_Q, HEAD_DIM_V, False, HAS_BIAS, ALIBI_MODE, HAS_DROPOUT, UPCAST, DOT_PRECISION, ACC_DTYPE,
+            HEAD_DIM_Q, HEAD_DIM_V, False, HAS_BIAS, ALIBI_MODE, HAS_DROPOUT, UPCAST, DOT_PRECISION, ACC_DTYPE, LOG2_SCORES,
         )
     for t in range(0, edge_tiles):
         start_n = tl.where(t < edge_before, tile_lo + t * BLOCK_N, split_hi + (t - edge_before) * BLOCK_N)
         dq = _dq_tile(
-            dq, q, do, lse_log2, delta, start_n, k_base, v_base, bias_base, bias_rows, offs_m, m0, sk, diag,
-            left, right, qk_scale, slope_log2, alibi_diag, seed, offset, bh_index, drop_threshold,
+            dq, q, do, lse_s, delta, start_n, k_base, v_base, bias_base, bias_rows, offs_m, m0, sk, diag,
+            left, right, qk_scale, slope, alibi_diag, seed, offset, bh_index, drop_threshold,
             stride_ks, stride_vs, stride_bs, stride_bk, BLOCK_M, BLOCK_N, BLOCK_DQ, BLOCK_DV,
-            HEAD_DIM_Q, HEAD_DIM_V, True, HAS_BIAS, ALIBI_MODE, HAS_DROPOUT, UPCAST, DOT_PRECISION, ACC_DTYPE,
+            HEAD_DIM_Q, HEAD_DIM_V, True, HAS_BIAS, ALIBI_MODE, HAS_DROPOUT, UPCAST, DOT_PRECISION, ACC_DTYPE, LOG2_SCORES,
         )
     dq_ptrs = DQ + b64 * stride_dqb + h64 * stride_dqh + rows * stride_dqs + offs_dq[None, :]
     tl.store(dq_ptrs, (dq * dq_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & dq_ok[None, :])

@@ -112,11 +112,33 @@ def visible(i, j, sk, diag, left, right):
 
 
 @triton.jit
-def alibi_log2(slope_log2, i, j, alibi_diag, ALIBI_MODE: tl.constexpr):
-    """ALiBi term in log2 units (slope already multiplied by log2(e)) for rows ``i``, keys ``j``."""
+def to_score_units(x, LOG2_SCORES: tl.constexpr):
+    """A natural-log quantity (bias, ALiBi slope, LSE) in the units the scores are held in.
+
+    fp16/bf16 inputs hold scores in log2 units, ``S * scale * log2(e)``, so that ``P`` costs one
+    subtraction and an exp2. fp32/fp64 inputs keep natural units and convert after subtracting
+    the row max or LSE: with logits near 1e4, rounding ``S * log2(e)`` alone shifts the exponent
+    by 1e-3, twice the error of a plain fp32 softmax.
+    """
+    if LOG2_SCORES:
+        return x * LOG2E
+    return x
+
+
+@triton.jit
+def exp_of_scores(s, m, LOG2_SCORES: tl.constexpr):
+    """``exp(s - m)`` for scores and row max/LSE in score units."""
+    if LOG2_SCORES:
+        return tl.math.exp2(s - m)
+    return tl.math.exp2((s - m) * LOG2E)
+
+
+@triton.jit
+def alibi_scores(slope, i, j, alibi_diag, ALIBI_MODE: tl.constexpr):
+    """ALiBi term for rows ``i``, keys ``j`` (``slope`` already in score units)."""
     if ALIBI_MODE == ALIBI_VERTICAL:
-        return slope_log2 * (j + 0 * i).to(tl.float32)
-    return -slope_log2 * tl.abs(i + alibi_diag - j).to(tl.float32)
+        return slope * (j + 0 * i).to(tl.float32)
+    return -slope * tl.abs(i + alibi_diag - j).to(tl.float32)
 
 
 @triton.jit

@@ -1,4 +1,6 @@
-"""Forward attention: one program per (query tile, query head, batch), online softmax in log2 units.
+"""Forward attention: one program per (query tile, query head, batch), online softmax.
+
+Scores are in log2 units for fp16/bf16 and natural units for fp32/fp64 (``to_score_units``).
 
 Key tiles come in two kinds: interior tiles, which every row of the query tile sees whole (no
 per-element checks), and edge tiles on either side of them (window or sequence boundary),
@@ -11,11 +13,12 @@ import triton.language as tl
 from .common import (
     ALIBI_NONE,
     LN2,
-    LOG2E,
-    alibi_log2,
+    alibi_scores,
     dropout_bytes,
+    exp_of_scores,
     load_philox,
     sequence_bounds,
+    to_score_units,
     visible,
     window_bounds,
 )
@@ -44,7 +47,7 @@ def _fwd_tile(
     left,
     right,
     qk_scale,
-    slope_log2,
+    slope,
     alibi_diag,
     seed,
     offset,
@@ -67,6 +70,7 @@ def _fwd_tile(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
+    LOG2_SCORES: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     key_ok = offs_n < sk
@@ -87,9 +91,9 @@ def _fwd_tile(
             bias = tl.load(bias_ptrs, mask=key_ok[None, :], other=0.0)
         else:
             bias = tl.load(bias_ptrs)
-        s += bias.to(ACC_DTYPE) * LOG2E
+        s += to_score_units(bias.to(ACC_DTYPE), LOG2_SCORES)
     if ALIBI_MODE != ALIBI_NONE:
-        s += alibi_log2(slope_log2, offs_m[:, None], offs_n[None, :], alibi_diag, ALIBI_MODE)
+        s += alibi_scores(slope, offs_m[:, None], offs_n[None, :], alibi_diag, ALIBI_MODE)
     if EDGE:
         s = tl.where(visible(offs_m[:, None], offs_n[None, :], sk, diag, left, right), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -98,8 +102,8 @@ def _fwd_tile(
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
-    p = tl.math.exp2(s - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)
+    p = exp_of_scores(s, m_use[:, None], LOG2_SCORES)
+    alpha = exp_of_scores(m_i, m_use, LOG2_SCORES)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if HAS_DROPOUT:
@@ -197,6 +201,7 @@ def attention_fwd_kernel(
     STORE_RANDVAL: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    LOG2_SCORES: tl.constexpr,
 ):
     # float64 inputs accumulate in float64 (for gradcheck); everything else in float32.
     ACC_DTYPE: tl.constexpr = tl.float64 if Q.dtype.element_ty == tl.float64 else tl.float32
@@ -248,10 +253,10 @@ def attention_fwd_kernel(
     if HAS_BIAS:
         bias_base = Bias + b64 * stride_bb + h64 * stride_bh + (q_row0 + m0).to(tl.int64) * stride_bs
         bias_offs = tile_rows[:, None] * stride_bs + offs_n[None, :] * stride_bk
-    slope_log2 = 0.0
+    slope = 0.0
     alibi_diag = 0
     if ALIBI_MODE != ALIBI_NONE:
-        slope_log2 = tl.load(AlibiSlopes + b * stride_ab + h * stride_ah) * LOG2E
+        slope = to_score_units(tl.load(AlibiSlopes + b * stride_ab + h * stride_ah), LOG2_SCORES)
         alibi_diag = alibi_bottom_right * (sk - sq)
     seed = tl.zeros((), dtype=tl.uint64)
     offset = tl.zeros((), dtype=tl.uint64)
@@ -289,20 +294,20 @@ def attention_fwd_kernel(
     for start_n in range(split_lo, split_hi, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(
             acc, l_i, m_i, q, start_n, k_base, v_base, k_offs, v_offs, bias_base, bias_offs,
-            randval_base, randval_offs, offs_m, m0, sq, sk, diag, left, right, qk_scale, slope_log2,
+            randval_base, randval_offs, offs_m, m0, sq, sk, diag, left, right, qk_scale, slope,
             alibi_diag, seed, offset, bh_index, drop_threshold, stride_ks, stride_vs, stride_bk,
             dq_ok, dv_ok, BLOCK_M, BLOCK_N, False, EVEN_DQ, EVEN_DV, HAS_BIAS, ALIBI_MODE,
-            HAS_DROPOUT, STORE_RANDVAL, UPCAST, DOT_PRECISION, ACC_DTYPE,
+            HAS_DROPOUT, STORE_RANDVAL, UPCAST, DOT_PRECISION, ACC_DTYPE, LOG2_SCORES,
         )
     # Edge tiles on both sides of the interior, in one loop (softmax order does not matter).
     for t in range(0, edge_tiles):
         start_n = tl.where(t < edge_before, tile_lo + t * BLOCK_N, split_hi + (t - edge_before) * BLOCK_N)
         acc, l_i, m_i = _fwd_tile(
             acc, l_i, m_i, q, start_n, k_base, v_base, k_offs, v_offs, bias_base, bias_offs,
-            randval_base, randval_offs, offs_m, m0, sq, sk, diag, left, right, qk_scale, slope_log2,
+            randval_base, randval_offs, offs_m, m0, sq, sk, diag, left, right, qk_scale, slope,
             alibi_diag, seed, offset, bh_index, drop_threshold, stride_ks, stride_vs, stride_bk,
             dq_ok, dv_ok, BLOCK_M, BLOCK_N, True, EVEN_DQ, EVEN_DV, HAS_BIAS, ALIBI_MODE,
-            HAS_DROPOUT, STORE_RANDVAL, UPCAST, DOT_PRECISION, ACC_DTYPE,
+            HAS_DROPOUT, STORE_RANDVAL, UPCAST, DOT_PRECISION, ACC_DTYPE, LOG2_SCORES,
         )
 
     # Empty rows (l = 0) give O = 0 and LSE = -inf.
@@ -316,6 +321,10 @@ def attention_fwd_kernel(
     o_base = Out + b64 * stride_ob + q_row0.to(tl.int64) * stride_os + h64 * stride_oh
     o_ptrs = o_base + offs_m[:, None].to(tl.int64) * stride_os + offs_dv[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
-    lse = tl.where(empty_row, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    if LOG2_SCORES:
+        lse = (m_i + tl.math.log2(l_safe)) * LN2
+    else:
+        lse = m_i + tl.math.log2(l_safe) * LN2
+    lse = tl.where(empty_row, float("-inf"), lse)
     lse_ptrs = Lse + b64 * stride_lb + h64 * stride_lh + lse_row0 + offs_m
     tl.store(lse_ptrs, lse.to(tl.float32), mask=row_ok)

@@ -37,7 +37,7 @@ def reference_forward_and_grads(q, k, v, bias=None, dtype=torch.float64, **kwarg
 def assert_matches_where_finite(got, exact, low, dtype, name, recompute=0.0):
     """NaN only where the reference has NaN; where it is finite, fmha is finite and within bound
     (plus ``recompute`` times the largest value: see test_logits_of_magnitude_1e4)."""
-    got = got.detach().cpu().double()
+    got, exact, low = (t.detach().cpu().double() for t in (got, exact, low))
     assert not (torch.isnan(got) & ~torch.isnan(exact)).any(), f"{name}: NaN where the reference has none"
     finite = torch.isfinite(exact)
     assert torch.isfinite(got[finite]).all(), f"{name}: non-finite where the reference is finite"

@@ -234,11 +234,11 @@ def bwd(
             raise ValueError(f"{name}: expected a tensor of shape {tuple(shape)}, got {getattr(t, 'shape', t)}")
         if t.dtype != dtype or t.device != q.device:
             raise ValueError(f"{name}: expected {dtype} on {q.device}, got {t.dtype} on {t.device}")
+    if inputs.dropout_p > 0 and (inputs.seed is None or inputs.offset is None):
+        raise ValueError("seed/offset: expected the forward's dropout seed and offset, got None")
     check_kernel_device(q)
     philox = None
     if inputs.dropout_p > 0:
-        if inputs.seed is None or inputs.offset is None:
-            raise ValueError("seed/offset: expected the forward's dropout seed and offset, got None")
         philox = ops.philox_seed_offset(inputs.seed, inputs.offset, q.device)
     dout, out, lse = (t if t.stride(-1) == 1 else t.contiguous() for t in (dout, out, lse))
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()

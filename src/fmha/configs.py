@@ -86,8 +86,17 @@ BWD_CONFIGS: dict[tuple[str, int], BwdConfig] = {
 }
 
 
-def bwd_config(dtype: torch.dtype, head_dim_q: int, head_dim_v: int) -> BwdConfig:
+# Feature-specific rows, looked up first: (dtype kind, head-dim bucket, feature).
+BWD_FEATURE_CONFIGS: dict[tuple[str, int, str], BwdConfig] = {
+    # The bias tile's buffers push the 3-stage dQ kernel to 237568 B of shared memory (232448 fit).
+    ("half", 256, "bias"): BwdConfig(32, 64, 8, 2, 128, 32, 8, 2),
+}
+
+
+def bwd_config(dtype: torch.dtype, head_dim_q: int, head_dim_v: int, has_bias: bool = False) -> BwdConfig:
     if INTERPRET:
         return INTERPRETER_BWD_CONFIG
     bucket = max(head_dim_block(head_dim_q), head_dim_block(head_dim_v))
+    if has_bias and (_kind(dtype), bucket, "bias") in BWD_FEATURE_CONFIGS:
+        return BWD_FEATURE_CONFIGS[(_kind(dtype), bucket, "bias")]
     return BWD_CONFIGS[(_kind(dtype), bucket)]

@@ -249,6 +249,15 @@ def run_case(case: Case, device: str) -> list[str]:
     return failures
 
 
+def _context_lost() -> bool:
+    """After an illegal memory access every later CUDA call fails too."""
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # torch.AcceleratorError; older torch raise RuntimeError
+        return True
+    return False
+
+
 def run(examples: int, seed: int, max_len: int, device: str, first: int = 0, seconds: float | None = None,
         log=print) -> list[tuple[Case, list[str]]]:
     """Run examples ``first .. first + examples - 1`` (stopping early after ``seconds``); returns
@@ -268,6 +277,10 @@ def run(examples: int, seed: int, max_len: int, device: str, first: int = 0, sec
         if failures:
             failed.append((case, failures))
             log(f"FAIL {case.describe()}\n     " + "\n     ".join(failures))
+            if device != "cpu" and _context_lost():
+                log(f"the CUDA context is lost, so no later example can run in this process: "
+                    f"resume with --first {index + 1}")
+                break
     log(f"{done - len(failed)}/{done} examples passed (seed {seed}, max length {max_len}, "
         f"{device}, {time.time() - start:.0f} s)")
     return failed

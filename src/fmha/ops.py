@@ -261,7 +261,7 @@ def bwd_launches(
     if no_queries:
         return [], grads
 
-    cfg = bwd_config(q.dtype, inputs.head_dim_q, inputs.head_dim_v)
+    cfg = bwd_config(q.dtype, inputs.head_dim_q, inputs.head_dim_v, has_bias=inputs.bias is not None)
     common = _problem_args(inputs, philox)
     keep = 1.0 - inputs.dropout_p
     rescale = 1.0 / keep

@@ -1,6 +1,6 @@
 """Seeded random problems against the reference (fmha.fuzz): a bounded number on every CI run.
 
-The H200 runs the same generator at full size: ``python -m fmha.fuzz --examples 1000``.
+The H200 runs the same generator at full size: ``python -m fmha.fuzz --examples 1000 --jobs 14``.
 """
 
 import pytest
@@ -47,3 +47,9 @@ def test_a_wrong_result_is_reported(monkeypatch, device):
     failures = fuzz.run_case(case, device)
     assert any(f.startswith("out:") for f in failures), failures
     assert any(f.startswith("dq:") for f in failures), failures
+
+
+def test_worker_processes_split_the_examples_and_sum_the_results(device):
+    lines = []
+    failed = fuzz.run_in_workers(4, seed=2026, max_len=24, device=device, first=3, jobs=2, log=lines.append)
+    assert failed == 0 and lines[-1].startswith("4/4 examples passed (seed 2026, max length 24")

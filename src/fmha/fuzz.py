@@ -1,6 +1,6 @@
 """Seeded random problems, forward and backward, checked against ``fmha.reference``.
 
-    python -m fmha.fuzz --examples 1000 --max-len 300        # on a GPU
+    python -m fmha.fuzz --examples 1000 --max-len 300 --jobs 14   # on a GPU
     python -m fmha.fuzz --examples 20 --max-len 40 --seed 7  # on a CPU (Triton's interpreter)
 
 Every example draws batch or group mode, lengths including 0 and 1, padded slots, GQA ratios,
@@ -15,8 +15,12 @@ its own: ``--seed s --first i --examples 1``.
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -286,6 +290,45 @@ def run(examples: int, seed: int, max_len: int, device: str, first: int = 0, sec
     return failed
 
 
+def run_in_workers(examples: int, seed: int, max_len: int, device: str, first: int, jobs: int,
+                   seconds: float | None = None, log=print) -> int:
+    """``run`` split over ``jobs`` worker processes (``python -m fmha.fuzz`` on a slice each), which
+    compile kernels in parallel and keep a lost CUDA context to one worker: that worker stops and a
+    new one resumes after the example that lost it. Returns the number of failing examples."""
+    start = time.time()
+    bounds = [first + examples * i // jobs for i in range(jobs + 1)]
+    pending = [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+    running: list[tuple[subprocess.Popen, object, int]] = []
+    done = passed = 0
+    with tempfile.TemporaryDirectory() as logs:
+        while pending or running:
+            while pending and len(running) < jobs:
+                lo, hi = pending.pop(0)
+                args = [sys.executable, "-m", "fmha.fuzz", "--first", str(lo), "--examples", str(hi - lo),
+                        "--seed", str(seed), "--max-len", str(max_len), "--device", device]
+                if seconds is not None:
+                    args += ["--seconds", str(max(0.0, seconds - (time.time() - start)))]
+                out = open(os.path.join(logs, f"{lo}.log"), "w+")
+                running.append((subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, text=True), out, hi))
+            time.sleep(0.2)
+            for proc, out, hi in [r for r in running if r[0].poll() is not None]:
+                running.remove((proc, out, hi))
+                out.seek(0)
+                for line in out.read().splitlines():
+                    summary = re.match(r"(\d+)/(\d+) examples passed", line)
+                    resume = re.search(r"resume with --first (\d+)", line)
+                    if summary:
+                        passed, done = passed + int(summary[1]), done + int(summary[2])
+                    elif resume and int(resume[1]) < hi:
+                        pending.append((int(resume[1]), hi))
+                    elif line.strip():
+                        log(line)
+                out.close()
+    log(f"{passed}/{done} examples passed (seed {seed}, max length {max_len}, {device}, "
+        f"{time.time() - start:.0f} s, {jobs} workers)")
+    return done - passed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=1000)
@@ -294,7 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-len", type=int, default=300, help="longest sequence drawn")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seconds", type=float, help="stop starting new examples after this long")
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes (each compiles its own kernels)")
     args = parser.parse_args(argv)
+    if args.jobs > 1:
+        return 1 if run_in_workers(args.examples, args.seed, args.max_len, args.device, args.first, args.jobs,
+                                   args.seconds) else 0
     failed = run(args.examples, args.seed, args.max_len, args.device, args.first, args.seconds)
     return 1 if failed else 0
 

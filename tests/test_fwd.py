@@ -257,3 +257,16 @@ def test_attention_api_return_forms(device, gen):
     batch = random_varlen([5, 9], [7, 3], 2, 1, 16, 16, device=device, generator=gen)
     out = fmha.attention_varlen(batch.q, batch.k, batch.v, batch.seqstart_q, batch.seqstart_k, mask="t")
     assert out.shape == (14, 2, 16)
+
+
+def test_kernel_layout_pads_strides_to_multiples_of_16():
+    """Kernels get strides Triton marks divisible by 16: aligned tensors as they are, others copied."""
+    from fmha.ops import kernel_layout
+
+    aligned = torch.randn(2, 5, 3, 32)
+    assert kernel_layout(aligned) is aligned
+    for t in (torch.randn(2, 5, 3, 72), torch.randn(2, 5, 4, 40)[:, :, :3, :33], torch.randn(2, 5, 3, 48)[..., 1:41],
+              torch.randn(2, 3, 5, 32).transpose(1, 2)[..., :1]):
+        got = kernel_layout(t)
+        assert torch.equal(got, t) and got.stride(-1) == 1
+        assert got.storage_offset() % 16 == 0 and all(s % 16 == 0 for s in got.stride()[:-1]), got.stride()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -59,6 +60,30 @@ def alibi_mode(inputs: AttentionInputs) -> tuple[int, int]:
     return 1, int(mask.type != MaskType.TOP_LEFT)
 
 
+# Triton marks an integer argument "divisible by 16" only when it is, and only then loads rows as
+# vectors: without those hints on the strides the kernels load element by element, spill heavily,
+# and on Triton 3.6 / sm_90 have read out of range (benchmarks/NOTES.md, 2026-11-30).
+STRIDE_ALIGNMENT = 16
+
+
+def kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its head dim is contiguous and its offset and other strides are multiples
+    of 16 elements; else a copy whose rows are padded to a multiple of 16 (a view of the first
+    ``D`` columns), as FlashAttention pads odd head dims."""
+    if (t.stride(-1) == 1 and t.storage_offset() % STRIDE_ALIGNMENT == 0
+            and all(stride % STRIDE_ALIGNMENT == 0 for stride in t.stride()[:-1])):
+        return t
+    d = t.shape[-1]
+    rows = t.new_empty((*t.shape[:-1], -(-d // STRIDE_ALIGNMENT) * STRIDE_ALIGNMENT))
+    return rows[..., :d].copy_(t)
+
+
+def _aligned(inputs: AttentionInputs) -> AttentionInputs:
+    """The problem with q, k and v in ``kernel_layout``."""
+    return dataclasses.replace(inputs, q=kernel_layout(inputs.q), k=kernel_layout(inputs.k),
+                               v=kernel_layout(inputs.v))
+
+
 def _row_strides(t: torch.Tensor, group: bool) -> tuple[int, int, int]:
     """(batch, sequence, head) strides of a ``[B, S, H, D]`` or ``[total, H, D]`` tensor."""
     if group:
@@ -75,6 +100,7 @@ def fwd(
     return_randval: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launch the forward kernel. ``philox`` is the int64 (seed, offset) pair when dropout is on."""
+    inputs = _aligned(inputs)
     q = inputs.q
     device = q.device
     # The kernel writes only the rows of sequences; padding rows are returned as zeros.
@@ -243,6 +269,8 @@ def bwd_launches(
     Atomic mode accumulates dQ in a padded fp32 buffer (see ``_dq_accumulator``); deterministic
     mode computes dQ in programs that own their query tile and needs no workspace.
     """
+    inputs = _aligned(inputs)
+    dout, out = kernel_layout(dout), kernel_layout(out)
     q, k, v = inputs.q, inputs.k, inputs.v
     group = inputs.group
     device = q.device

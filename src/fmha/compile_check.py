@@ -1,12 +1,13 @@
 """Compile every shipped GPU kernel config for Hopper (sm_90) without a GPU and check resources.
 
-    TRITON_INTERPRET=0 python -m fmha.compile_check [--only TEXT]
+    TRITON_INTERPRET=0 python -m fmha.compile_check [--only TEXT ...] [--allow-spills]
 
 For each (dtype, head dim bucket) of ``fmha.configs`` and a few feature combinations, the forward
 kernel and the backward's kernels (both dQ modes) are specialized exactly as a real launch would
 (same launcher code, CPU tensors standing in), compiled by Triton for sm_90, and their PTX
 assembled by ``ptxas -v``. A compile failure, a register spill or shared memory over the sm_90
-limit is reported and fails the check.
+limit is reported and fails the check (spills only without ``--allow-spills``; CI runs the
+largest shipped tiles that way, tests/test_compile.py).
 """
 
 from __future__ import annotations
@@ -59,8 +60,13 @@ class Result:
     error: str = ""
 
     @property
+    def launches(self) -> bool:
+        """Compiles and fits in shared memory: a launch would not fail."""
+        return not self.error and self.shared <= SM90_MAX_SHARED
+
+    @property
     def ok(self) -> bool:
-        return not self.error and self.spill_bytes == 0 and self.shared <= SM90_MAX_SHARED
+        return self.launches and self.spill_bytes == 0
 
 
 def _ptxas_report(ptx: str) -> tuple[int, int]:
@@ -147,7 +153,7 @@ def check_bwd(dtype, dq, dv, features: str, deterministic: bool) -> list[Result]
 
 
 def _report(res: Result) -> None:
-    status = "ok  " if res.ok else "FAIL"
+    status = "ok  " if res.ok else "FAIL" if not res.launches else "SPILL"
     print(f"{status} {res.name:72s} regs={res.registers:3d} spill={res.spill_bytes:5d}B "
           f"smem={res.shared:6d}B {res.error}", flush=True)
 
@@ -156,8 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="", help="check only configs whose name contains this")
+    parser.add_argument("--only", action="append", default=[],
+                        help="check only configs whose name contains this (repeatable: any of them)")
+    parser.add_argument("--allow-spills", action="store_true",
+                        help="fail only on compile errors and shared memory overflow")
     args = parser.parse_args(argv)
+
+    def wanted(name: str) -> bool:
+        return not args.only or any(text in name for text in args.only)
+
     driver.set_active(_HopperCompileOnly())
     # Head dims off multiples of 16 (24, 40, 72) give strides without the divisibility hint:
     # element-wise loads and the heaviest spills (benchmarks/NOTES.md, 2026-11-30).
@@ -167,17 +180,18 @@ def main(argv: list[str] | None = None) -> int:
         for dq, dv in dims:
             for features in FEATURE_SETS:
                 name = f"fwd {str(dtype).split('.')[-1]} d={dq}/{dv} [{features}]"
-                if args.only in name:
+                if wanted(name):
                     results.append(check_fwd(dtype, dq, dv, features))
                     _report(results[-1])
                 for deterministic in (False, True):
                     mode = "deterministic" if deterministic else "atomic"
-                    if args.only in f"b{name[1:]} {mode}":
+                    if wanted(f"b{name[1:]} {mode}"):
                         results += check_bwd(dtype, dq, dv, features, deterministic)
                         for res in results[-3:]:
                             _report(res)
-    failed = [r for r in results if not r.ok]
-    print(f"{len(results) - len(failed)}/{len(results)} kernel configs compile for sm_90 within limits")
+    failed = [r for r in results if not (r.launches if args.allow_spills else r.ok)]
+    limits = "shared memory" if args.allow_spills else "shared memory and without spills"
+    print(f"{len(results) - len(failed)}/{len(results)} kernel configs compile for sm_90 within {limits}")
     return 1 if failed else 0
 
 

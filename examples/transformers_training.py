@@ -17,6 +17,18 @@ import fmha.integrations.transformers as fmha_hf  # before transformers, which i
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402  isort: skip
 
 
+def paired_step(models, optimizers, ids, mask, labels) -> list[float]:
+    """One training step of each model on the same batch; their losses."""
+    losses = []
+    for model, optimizer in zip(models, optimizers):
+        optimizer.zero_grad()
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -48,13 +60,7 @@ def main() -> int:
         mask = torch.ones_like(ids)
         mask[1:, seqlen - seqlen // 4:] = 0  # right padding on all but the first sequence
         labels = ids.masked_fill(mask == 0, -100)
-        losses = []
-        for model, optimizer in zip((eager, ours), optimizers):
-            optimizer.zero_grad()
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+        losses = paired_step((eager, ours), optimizers, ids, mask, labels)
         worst = max(worst, abs(losses[0] - losses[1]))
         print(f"step {step:3d}  eager {losses[0]:.6f}  fmha {losses[1]:.6f}  diff {losses[1] - losses[0]:+.2e}")
     print(f"largest loss difference {worst:.2e} (tolerance {tolerance:g}) on {device}, {args.dtype}")

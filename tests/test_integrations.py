@@ -1,5 +1,6 @@
 """fmha as a transformers attention implementation: a small Llama from a config trains like eager."""
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,11 @@ import torch
 import fmha.integrations.transformers as fmha_hf
 
 transformers = pytest.importorskip("transformers")  # installed by the test extra; optional for users
+
+EXAMPLE_PATH = Path(__file__).resolve().parent.parent / "examples" / "transformers_training.py"
+_spec = importlib.util.spec_from_file_location("transformers_training", EXAMPLE_PATH)
+EXAMPLE = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(EXAMPLE)
 
 
 def test_register_and_train_like_eager(device):
@@ -28,13 +34,7 @@ def test_register_and_train_like_eager(device):
     labels = ids.masked_fill(mask == 0, -100)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, ours)]
     for _ in range(3):
-        losses = []
-        for model, optimizer in zip((eager, ours), optimizers):
-            optimizer.zero_grad()
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+        losses = EXAMPLE.paired_step((eager, ours), optimizers, ids, mask, labels)
         assert abs(losses[0] - losses[1]) <= 1e-5
 
 
@@ -45,7 +45,6 @@ def test_attention_forward_rejects_softcap():
 
 
 def test_training_example_runs():
-    example = Path(__file__).resolve().parent.parent / "examples" / "transformers_training.py"
-    proc = subprocess.run([sys.executable, str(example), "--steps", "2"], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(EXAMPLE_PATH), "--steps", "2"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "largest loss difference" in proc.stdout

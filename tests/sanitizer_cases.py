@@ -1,7 +1,7 @@
 """Small forward + backward launches for NVIDIA's compute-sanitizer, each checked against fmha.reference.
 
     compute-sanitizer --tool memcheck python tests/sanitizer_cases.py
-    compute-sanitizer --tool racecheck python tests/sanitizer_cases.py
+    compute-sanitizer --tool racecheck python tests/sanitizer_cases.py [NAME_PART ...]
 
 Not a pytest module. Each case runs the atomic and then the deterministic backward: ragged lengths
 (1, 17, 259: not multiples of any tile), padded varlen, GQA, dropout (with the randval store), bias
@@ -174,9 +174,12 @@ def run(case: Case, deterministic: bool, dout, exact, low) -> float:
     return worst
 
 
-def main() -> int:
+def main(names: list[str]) -> int:
+    """Runs every case, or those whose name contains one of ``names``."""
     failed = passed = 0
     for case in build_cases():
+        if names and not any(name in case.name for name in names):
+            continue
         want = expected(case)
         for deterministic in (False, True):
             label = f"{case.name}, {'deterministic' if deterministic else 'atomic'}"
@@ -196,4 +199,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -93,8 +93,9 @@ def random_varlen(lengths_q, lengths_k, nhead_q, nhead_k, head_dim_q, head_dim_v
 
 
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """Largest absolute difference, treating equal infinities as equal and NaN as infinite error."""
-    actual, expected = actual.double(), expected.double()
+    """Largest absolute difference, treating equal infinities as equal and NaN as infinite error
+    (``expected`` may live on another device than ``actual``)."""
+    actual, expected = actual.double(), expected.double().to(actual.device)
     same_inf = torch.isinf(actual) & torch.isinf(expected) & (actual == expected)
     diff = torch.where(same_inf, torch.zeros_like(actual), (actual - expected).abs())
     diff = torch.nan_to_num(diff, nan=float("inf"))
@@ -108,6 +109,15 @@ def error_bound(q_dtype: torch.dtype, low_precision_error: float, magnitude: flo
     (a gradient summed over many rows, such as a broadcast bias's, rounds at its own scale)."""
     floor = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 2e-5}[q_dtype]
     return 2 * low_precision_error + floor * max(1.0, magnitude)
+
+
+def d_rounding_term(dout: torch.Tensor, out: torch.Tensor) -> float:
+    """What the fp32 rounding of ``D = rowsum(dO * O)`` (SPEC.md §6) may add to dQ, dK and dBias,
+    on top of ``error_bound``: the fp32 floor at the largest ``sum |dO * O|`` of a row. In a row
+    that sees a single key, P = 1 and the exact dS = dP - D is 0; the kernel computes dP as a dot
+    and D as a row sum, which round differently, and dK or dBias sum that difference over rows.
+    Large only against fp32's floor; for fp16/bf16 it is far below theirs."""
+    return error_bound(torch.float32, 0.0) * (dout.double() * out.double()).abs().sum(-1).max().item()
 
 
 def reference_pair(q, k, v, **kwargs):

@@ -288,9 +288,21 @@ def run(examples: int, seed: int, max_len: int, device: str, first: int = 0, sec
                 log(f"the CUDA context is lost, so no later example can run in this process: "
                     f"resume with --first {index + 1}")
                 break
+    ran = f"examples {first}-{first + done - 1}" if done else "no examples"
     log(f"{done - len(failed)}/{done} examples passed (seed {seed}, max length {max_len}, "
-        f"{device}, {time.time() - start:.0f} s)")
+        f"{device}, {ran}, {time.time() - start:.0f} s)")
     return failed
+
+
+def _merged(ranges: list[tuple[int, int]]) -> str:
+    """``[(0, 3), (4, 9), (12, 12)]`` -> ``"0-9, 12-12"``."""
+    merged: list[list[int]] = []
+    for lo, hi in sorted(ranges):
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return ", ".join(f"{lo}-{hi}" for lo, hi in merged) or "none"
 
 
 def run_in_workers(examples: int, seed: int, max_len: int, device: str, first: int, jobs: int,
@@ -303,6 +315,7 @@ def run_in_workers(examples: int, seed: int, max_len: int, device: str, first: i
     pending = [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
     running: list[tuple[subprocess.Popen, object, int]] = []
     done = passed = 0
+    ranges: list[tuple[int, int]] = []
     with tempfile.TemporaryDirectory() as logs:
         while pending or running:
             while pending and len(running) < jobs:
@@ -322,13 +335,14 @@ def run_in_workers(examples: int, seed: int, max_len: int, device: str, first: i
                     resume = re.search(r"resume with --first (\d+)", line)
                     if summary:
                         passed, done = passed + int(summary[1]), done + int(summary[2])
+                        ranges += [tuple(map(int, r)) for r in re.findall(r"examples (\d+)-(\d+)", line)]
                     elif resume and int(resume[1]) < hi:
                         pending.append((int(resume[1]), hi))
                     elif line.strip():
                         log(line)
                 out.close()
     log(f"{passed}/{done} examples passed (seed {seed}, max length {max_len}, {device}, "
-        f"{time.time() - start:.0f} s, {jobs} workers)")
+        f"{time.time() - start:.0f} s, {jobs} workers; examples {_merged(ranges)})")
     return done - passed
 
 

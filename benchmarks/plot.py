@@ -29,7 +29,8 @@ STYLE = {
 
 
 def latest_cells(paths: list[str]) -> dict[tuple, dict[str, float]]:
-    """``{(direction, head_dim, seqlen, causal): {provider: tflops}}``, later records replacing earlier."""
+    """``{(direction, head_dim, seqlen, causal): {provider: tflops}}`` of the plain cases, later
+    records replacing earlier."""
     records = []
     for path in paths:
         with open(path) as f:
@@ -37,7 +38,7 @@ def latest_cells(paths: list[str]) -> dict[tuple, dict[str, float]]:
     records.sort(key=lambda r: r["time"])
     cells: dict[tuple, dict[str, float]] = {}
     for r in records:
-        if "tflops" in r:
+        if "tflops" in r and r.get("feature", "plain") == "plain":  # feature rows are not grid cells
             key = (r["direction"], r["head_dim"], r["seqlen"], r["causal"])
             cells.setdefault(key, {})[r["provider"]] = r["tflops"]
     return cells

@@ -972,8 +972,16 @@ def bench_command(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("fmha bench: error: needs a CUDA device, and none is available", file=sys.stderr)
         return 1
-    cases = [bench.Case(head_dim=d, seqlen=s, causal=bool(c), direction=args.direction, tokens=args.tokens)
-             for d, s, c in itertools.product(args.head_dims, args.seqlens, args.causal)]
+    cases: list[bench.Case] = []
+    for d, s, c, feature in itertools.product(args.head_dims, args.seqlens, args.causal, args.features):
+        if feature == "window" and c:
+            continue  # the window is its own mask
+        case = bench.Case(head_dim=d, seqlen=s, causal=bool(c), direction=args.direction, tokens=args.tokens,
+                          feature=feature)
+        # A feature's cost is measured against its plain reference, timed first.
+        for x in (bench.plain_reference(case), case):
+            if x not in cases:
+                cases.append(x)
     providers = args.providers or [p for p in bench.PROVIDERS
                                    if args.direction == "bwd" or p != "fmha_deterministic"]
     bench.run(cases, providers, jsonl=args.jsonl)
@@ -1014,6 +1022,12 @@ def _parser() -> argparse.ArgumentParser:
     timing.add_argument("--providers", nargs="+", choices=list(bench.PROVIDERS),
                         help="default: all (fmha_deterministic only with --direction bwd)")
     timing.add_argument("--tokens", type=int, default=16384, help="tokens per batch (b = tokens // seqlen)")
+    timing.add_argument("--features", nargs="+", choices=list(bench.FEATURES), default=["plain"],
+                        help=f"time these feature variants too, each beside its plain reference: bias "
+                             f"([H, S, S], no dbias), alibi, window ({bench.WINDOW}), dropout "
+                             f"(p={bench.DROPOUT_P}), gqa ({bench.GQA_RATIO}:1), varlen "
+                             f"({bench.VARLEN_SEQUENCES} sequences of random lengths, against a batch of "
+                             f"equal ones), bias+dropout")
     timing.add_argument("--jsonl", help="append one JSON line per timing to this file")
     return parser
 

@@ -44,11 +44,26 @@ def head_dim_block(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
-def fwd_config(dtype: torch.dtype, head_dim_q: int, head_dim_v: int) -> TileConfig:
+# Feature-specific forward rows, looked up first (see feature_row): (dtype kind, bucket, feature).
+FWD_FEATURE_CONFIGS: dict[tuple[str, int, str], TileConfig] = {}
+
+
+def feature_row(table: dict, dtype: torch.dtype, bucket: int, has_bias: bool, has_dropout: bool):
+    """The row of a feature table for these features, or None: "bias+dropout" when both are on,
+    else (or when there is no such row) "bias", then "dropout" — a bias row's smaller tiles keep
+    their reason (shared memory, registers) when dropout comes on top."""
+    keys = (["bias+dropout"] if has_bias and has_dropout else []) + (["bias"] if has_bias else []) + (
+        ["dropout"] if has_dropout else [])
+    return next((table[(_kind(dtype), bucket, key)] for key in keys if (_kind(dtype), bucket, key) in table), None)
+
+
+def fwd_config(dtype: torch.dtype, head_dim_q: int, head_dim_v: int, has_bias: bool = False,
+               has_dropout: bool = False) -> TileConfig:
     if INTERPRET:
         return INTERPRETER_CONFIG
     bucket = max(head_dim_block(head_dim_q), head_dim_block(head_dim_v))
-    return FWD_CONFIGS[(_kind(dtype), bucket)]
+    row = feature_row(FWD_FEATURE_CONFIGS, dtype, bucket, has_bias, has_dropout)
+    return row or FWD_CONFIGS[(_kind(dtype), bucket)]
 
 
 def _kind(dtype: torch.dtype) -> str:
@@ -86,17 +101,17 @@ BWD_CONFIGS: dict[tuple[str, int], BwdConfig] = {
 }
 
 
-# Feature-specific rows, looked up first: (dtype kind, head-dim bucket, feature).
+# Feature-specific backward rows, looked up first (see feature_row).
 BWD_FEATURE_CONFIGS: dict[tuple[str, int, str], BwdConfig] = {
     # The bias tile's buffers push the 3-stage dQ kernel to 237568 B of shared memory (232448 fit).
     ("half", 256, "bias"): BwdConfig(32, 64, 8, 2, 128, 32, 8, 2),
 }
 
 
-def bwd_config(dtype: torch.dtype, head_dim_q: int, head_dim_v: int, has_bias: bool = False) -> BwdConfig:
+def bwd_config(dtype: torch.dtype, head_dim_q: int, head_dim_v: int, has_bias: bool = False,
+               has_dropout: bool = False) -> BwdConfig:
     if INTERPRET:
         return INTERPRETER_BWD_CONFIG
     bucket = max(head_dim_block(head_dim_q), head_dim_block(head_dim_v))
-    if has_bias and (_kind(dtype), bucket, "bias") in BWD_FEATURE_CONFIGS:
-        return BWD_FEATURE_CONFIGS[(_kind(dtype), bucket, "bias")]
-    return BWD_CONFIGS[(_kind(dtype), bucket)]
+    row = feature_row(BWD_FEATURE_CONFIGS, dtype, bucket, has_bias, has_dropout)
+    return row or BWD_CONFIGS[(_kind(dtype), bucket)]

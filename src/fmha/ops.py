@@ -197,7 +197,8 @@ def fwd_kernel_args(
 ) -> tuple[tuple[int], dict]:
     """Grid and keyword arguments of ``attention_fwd_kernel`` for one problem."""
     group = inputs.group
-    cfg = fwd_config(inputs.q.dtype, inputs.head_dim_q, inputs.head_dim_v)
+    cfg = fwd_config(inputs.q.dtype, inputs.head_dim_q, inputs.head_dim_v, has_bias=inputs.bias is not None,
+                     has_dropout=inputs.dropout_p > 0)
     num_m_blocks = triton.cdiv(inputs.max_seqlen_q, cfg.block_m)
     grid = (num_m_blocks * inputs.nhead_q * inputs.batch,)
     randval_strides = (0, 0, 0)
@@ -289,7 +290,8 @@ def bwd_launches(
     if no_queries:
         return [], grads
 
-    cfg = bwd_config(q.dtype, inputs.head_dim_q, inputs.head_dim_v, has_bias=inputs.bias is not None)
+    cfg = bwd_config(q.dtype, inputs.head_dim_q, inputs.head_dim_v, has_bias=inputs.bias is not None,
+                     has_dropout=inputs.dropout_p > 0)
     common = _problem_args(inputs, philox)
     keep = 1.0 - inputs.dropout_p
     rescale = 1.0 / keep

@@ -546,7 +546,8 @@ def attention_bwd_dq_kernel(
     # float64 inputs accumulate in float64 (for gradcheck); everything else in float32.
     ACC_DTYPE: tl.constexpr = tl.float64 if Q.dtype.element_ty == tl.float64 else tl.float32
     pid = tl.program_id(0)
-    m_block = pid % num_m_blocks
+    # Last query tile first, as in the forward: under a causal mask it sees the most keys.
+    m_block = num_m_blocks - 1 - pid % num_m_blocks
     bh_index = pid // num_m_blocks
     h = bh_index % nhead_q
     b = bh_index // nhead_q

@@ -206,7 +206,9 @@ def attention_fwd_kernel(
     # float64 inputs accumulate in float64 (for gradcheck); everything else in float32.
     ACC_DTYPE: tl.constexpr = tl.float64 if Q.dtype.element_ty == tl.float64 else tl.float32
     pid = tl.program_id(0)
-    m_block = pid % num_m_blocks
+    # A head's query tiles run next to each other (its K/V stay in L2), the last first: under a
+    # causal mask they see the most keys, so the short ones fill the final wave.
+    m_block = num_m_blocks - 1 - pid % num_m_blocks
     bh_index = pid // num_m_blocks
     h = bh_index % nhead_q
     b = bh_index // nhead_q

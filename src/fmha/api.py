@@ -240,7 +240,8 @@ def bwd(
     philox = None
     if inputs.dropout_p > 0:
         philox = ops.philox_seed_offset(inputs.seed, inputs.offset, q.device)
-    dout, out, lse = (t if t.stride(-1) == 1 else t.contiguous() for t in (dout, out, lse))
+    # dout and out get the kernels' layout in the launcher (ops.kernel_layout); lse only needs rows.
+    lse = lse if lse.stride(-1) == 1 else lse.contiguous()
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     return AttentionGrads(*ops.bwd(inputs, dout, out, lse, philox=philox, deterministic=deterministic,
                                    bias_grad=bias is not None))

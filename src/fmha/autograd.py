@@ -116,8 +116,6 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, _dlse, _drandval):
     q, k, v, out, lse, bias, alibi_slopes, philox, *index_args = ctx.saved_tensors
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
     # torch.use_deterministic_algorithms(True) turns the fixed-order dQ reduction on.
     deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
     dq, dk, dv, dbias = torch.ops.fmha.bwd(dout, q, k, v, out, lse, bias, alibi_slopes, philox, *index_args,

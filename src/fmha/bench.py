@@ -157,14 +157,13 @@ def _sdpa(backend_name: str):
         attn_mask = p.bias
         if case.feature == "window":
             attn_mask = reference.visible(parse_mask(case.mask), case.seqlen, case.seqlen, device=p.q.device)
-        causal = case.causal and attn_mask is None
         if case.causal and attn_mask is not None:
             raise Unsupported("SDPA takes is_causal or attn_mask, not both")
 
         def run():
             with sdpa_kernel(backend):
                 return torch.nn.functional.scaled_dot_product_attention(
-                    qt, kt, vt, attn_mask=attn_mask, dropout_p=case.dropout_p, is_causal=causal,
+                    qt, kt, vt, attn_mask=attn_mask, dropout_p=case.dropout_p, is_causal=case.causal,
                     enable_gqa=case.feature == "gqa")
 
         return run
@@ -284,10 +283,11 @@ def run(cases: list[Case], providers: list[str], jsonl: str | None = None, log=p
             if peers:
                 rec["best_peer_tflops"] = max(peers)
                 rec["ratio_to_best_peer"] = rec["tflops"] / max(peers)
+            key = (astuple(plain_reference(case)), rec["provider"])  # a plain case is its own reference
             if case.feature == "plain":
-                plain[(astuple(case), rec["provider"])] = rec["tflops"]
-            elif (astuple(plain_reference(case)), rec["provider"]) in plain:
-                rec["ratio_to_plain"] = rec["tflops"] / plain[(astuple(plain_reference(case)), rec["provider"])]
+                plain[key] = rec["tflops"]
+            elif key in plain:
+                rec["ratio_to_plain"] = rec["tflops"] / plain[key]
         rows.extend(cell)
         log(format_cell(case, cell))
         if jsonl:  # cell by cell, so that an interrupted run keeps what it measured

@@ -52,9 +52,11 @@ def feature_row(table: dict, dtype: torch.dtype, bucket: int, has_bias: bool, ha
     """The row of a feature table for these features, or None: "bias+dropout" when both are on,
     else (or when there is no such row) "bias", then "dropout" — a bias row's smaller tiles keep
     their reason (shared memory, registers) when dropout comes on top."""
-    keys = (["bias+dropout"] if has_bias and has_dropout else []) + (["bias"] if has_bias else []) + (
-        ["dropout"] if has_dropout else [])
-    return next((table[(_kind(dtype), bucket, key)] for key in keys if (_kind(dtype), bucket, key) in table), None)
+    wanted = [("bias+dropout", has_bias and has_dropout), ("bias", has_bias), ("dropout", has_dropout)]
+    for feature, on in wanted:
+        if on and (_kind(dtype), bucket, feature) in table:
+            return table[(_kind(dtype), bucket, feature)]
+    return None
 
 
 def fwd_config(dtype: torch.dtype, head_dim_q: int, head_dim_v: int, has_bias: bool = False,

@@ -117,3 +117,42 @@ def bwd_config(dtype: torch.dtype, head_dim_q: int, head_dim_v: int, has_bias: b
     bucket = max(head_dim_block(head_dim_q), head_dim_block(head_dim_v))
     row = feature_row(BWD_FEATURE_CONFIGS, dtype, bucket, has_bias, has_dropout)
     return row or BWD_CONFIGS[(_kind(dtype), bucket)]
+
+
+@dataclass(frozen=True)
+class HopperFwdConfig:
+    """The Gluon Hopper forward: ``consumers`` warpgroups of 64 query rows, keys in ``block_n``
+    tiles through a ``stages``-deep TMA ring; ``consumer_regs`` per consumer thread (setmaxnreg)
+    within the kernel-wide ``maxnreg``: (consumers + 1) * 128 threads * maxnreg <= 65536."""
+
+    block_n: int
+    stages: int
+    consumers: int
+    consumer_regs: int
+    maxnreg: int
+
+
+# head dim -> config (fp16 and bf16 alike); all compile for sm_90a without spills.
+HOPPER_FWD_CONFIGS: dict[int, HopperFwdConfig] = {
+    64: HopperFwdConfig(128, 3, 3, 160, 128),
+    128: HopperFwdConfig(128, 2, 2, 240, 168),  # 623 TFLOP/s at s=16k (bf16)
+    256: HopperFwdConfig(64, 2, 2, 240, 168),  # 718 at s=16k
+}
+
+
+@dataclass(frozen=True)
+class HopperBwdConfig:
+    """The Gluon Hopper backward: 128 keys per CTA in two consumer warpgroups, queries in
+    ``block_m`` tiles through a ``stages``-deep ring, ``ds_bufs`` shared dS tiles."""
+
+    block_m: int
+    stages: int
+    ds_bufs: int
+    consumer_regs: int
+    maxnreg: int
+
+
+HOPPER_BWD_CONFIGS: dict[int, HopperBwdConfig] = {
+    64: HopperBwdConfig(128, 2, 2, 240, 168),  # 437 TFLOP/s at s=16k (bf16)
+    128: HopperBwdConfig(64, 2, 2, 240, 168),  # 475 at s=16k
+}

@@ -10,6 +10,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from . import hopper
 from .configs import bwd_config, fwd_config, head_dim_block
 from .inputs import AttentionInputs
 from .kernels import INTERPRET
@@ -66,12 +67,16 @@ def alibi_mode(inputs: AttentionInputs) -> tuple[int, int]:
 STRIDE_ALIGNMENT = 16
 
 
+def is_kernel_layout(t: torch.Tensor) -> bool:
+    """Whether ``t``'s head dim is contiguous and its offset and other strides are multiples of 16."""
+    return (t.stride(-1) == 1 and t.storage_offset() % STRIDE_ALIGNMENT == 0
+            and all(stride % STRIDE_ALIGNMENT == 0 for stride in t.stride()[:-1]))
+
+
 def kernel_layout(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when its head dim is contiguous and its offset and other strides are multiples
-    of 16 elements; else a copy whose rows are padded to a multiple of 16 (a view of the first
-    ``D`` columns), as FlashAttention pads odd head dims."""
-    if (t.stride(-1) == 1 and t.storage_offset() % STRIDE_ALIGNMENT == 0
-            and all(stride % STRIDE_ALIGNMENT == 0 for stride in t.stride()[:-1])):
+    """``t`` itself when ``is_kernel_layout``; else a copy whose rows are padded to a multiple of
+    16 (a view of the first ``D`` columns), as FlashAttention pads odd head dims."""
+    if is_kernel_layout(t):
         return t
     d = t.shape[-1]
     rows = t.new_empty((*t.shape[:-1], -(-d // STRIDE_ALIGNMENT) * STRIDE_ALIGNMENT))
@@ -117,6 +122,11 @@ def fwd(
     randval = None
     if has_dropout and return_randval:
         randval = torch.zeros(inputs.randval_shape, dtype=torch.uint8, device=device)
+    # (a caller's ``out`` with misaligned strides takes the portable kernel, which writes any layout)
+    if is_kernel_layout(out) and hopper.fwd_unsupported(inputs) is None:
+        kernel, grid, kwargs = hopper.fwd_launch(inputs, out, lse)
+        kernel[grid](**kwargs)
+        return out, lse if return_lse else None, randval
     grid, kwargs = fwd_kernel_args(inputs, out, lse, randval, philox)
     if grid[0] > 0:
         attention_fwd_kernel[grid](**kwargs)
@@ -268,7 +278,8 @@ def bwd_launches(
     ``(dq, dk, dv, dbias_full)`` (``dbias_full`` per (batch, head, row, key), before reduction).
 
     Atomic mode accumulates dQ in a padded fp32 buffer (see ``_dq_accumulator``); deterministic
-    mode computes dQ in programs that own their query tile and needs no workspace.
+    mode computes dQ in programs that own their query tile and needs no workspace. Problems the
+    Hopper fast path covers (``hopper.bwd_unsupported``) take its three launches instead.
     """
     inputs = _aligned(inputs)
     dout, out = kernel_layout(dout), kernel_layout(out)
@@ -289,6 +300,8 @@ def bwd_launches(
     grads = (dq, dk, dv, dbias_full)
     if no_queries:
         return [], grads
+    if hopper.bwd_unsupported(inputs, deterministic) is None:
+        return [Launch(*launch) for launch in hopper.bwd_launches(inputs, dout, out, lse, dq, dk, dv)], grads
 
     cfg = bwd_config(q.dtype, inputs.head_dim_q, inputs.head_dim_v, has_bias=inputs.bias is not None,
                      has_dropout=inputs.dropout_p > 0)

@@ -1,0 +1,158 @@
+"""Hopper fast path: launch the Gluon kernels (``kernels/hopper_fwd.py``, ``kernels/hopper_bwd.py``)
+for the problems they cover; everything else runs the portable Triton kernels.
+
+``fwd_unsupported`` and ``bwd_unsupported`` return why a problem takes the portable path, or None
+when the fast path runs it. The Gluon modules are imported only when a launch needs them: Triton's
+interpreter has no Gluon.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from .configs import HOPPER_BWD_CONFIGS, HOPPER_FWD_CONFIGS
+from .inputs import AttentionInputs
+from .kernels import INTERPRET
+from .masks import MaskType
+
+LOG2E = 1.4426950408889634
+# The Gluon dialect changes between Triton releases; these kernels are written against 3.6.
+GLUON_TRITON = "3.6."
+CONVERT_BLOCK = 4096
+
+
+def _device_reason(q: torch.Tensor) -> str | None:
+    if os.environ.get("FMHA_PORTABLE", "0") == "1":
+        return "FMHA_PORTABLE=1"
+    if INTERPRET or q.device.type != "cuda":
+        return "not on a CUDA device"
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "needs compute capability 9.0 (Hopper)"
+    if not triton.__version__.startswith(GLUON_TRITON):
+        return f"the Gluon kernels are written for Triton 3.6, this is {triton.__version__}"
+    return None
+
+
+def _problem_reason(inputs: AttentionInputs, head_dims) -> str | None:
+    q, k = inputs.q, inputs.k
+    checks = [
+        (q.dtype not in (torch.float16, torch.bfloat16), "fp16 and bf16 only"),
+        (inputs.group, "group (varlen) mode"),
+        (inputs.cu_seqlen_q is not None or inputs.cu_seqlen_k is not None or inputs.seqlen_k is not None,
+         "per-batch sequence lengths"),
+        (q.shape[1] != k.shape[1], "seqlen_q != seqlen_k"),
+        (inputs.head_dim_q != inputs.head_dim_v or inputs.head_dim_q not in head_dims,
+         f"head dims {sorted(head_dims)} with dq == dv only"),
+        (inputs.bias is not None, "elementwise bias"),
+        (inputs.alibi_slopes is not None, "ALiBi"),
+        (inputs.dropout_p > 0, "dropout"),
+        (inputs.mask.type != MaskType.NONE and not inputs.mask.is_causal, "sliding-window mask"),
+        (q.shape[1] == 0 or inputs.batch * inputs.nhead_q == 0, "empty problem"),
+    ]
+    return next((why for failed, why in checks if failed), None)
+
+
+def fwd_unsupported(inputs: AttentionInputs) -> str | None:
+    """Why the Hopper forward does not run this problem, or None."""
+    return _device_reason(inputs.q) or _problem_reason(inputs, HOPPER_FWD_CONFIGS)
+
+
+def bwd_unsupported(inputs: AttentionInputs, deterministic: bool) -> str | None:
+    """Why the Hopper backward does not run this problem, or None."""
+    reason = _device_reason(inputs.q) or _problem_reason(inputs, HOPPER_BWD_CONFIGS)
+    if reason is None and deterministic:
+        reason = "deterministic mode (the fast path reduces dQ in arrival order)"
+    if reason is None and inputs.nhead_q != inputs.nhead_k:
+        reason = "GQA/MQA backward"
+    return reason
+
+
+def _desc(t: torch.Tensor, rows: int, cols: int, swizzle: bool = True):
+    """A TMA descriptor over a ``[B, S, H, D]`` tensor with its own strides, box ``[1, rows, 1, cols]``."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[t.dtype]
+    block = [1, rows, 1, cols]
+    if swizzle:
+        layout = gl.NVMMASharedLayout.get_default_for(block, element)
+    else:  # the fp32 dQ staging tile: a 128B swizzle of it spills
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def _stat_desc(t: torch.Tensor, block_m: int):
+    """``[B, H, S_pad]`` fp32 statistics as 2-D ``[B*H, S_pad]``, unswizzled boxes ``[1, block_m]``."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    t2 = t.view(-1, t.shape[-1])
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [1, block_m], layout)
+
+
+def fwd_launch(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
+    """(kernel, grid, kwargs) of the forward; ``out`` ``[B, S, H, D]``, ``lse`` ``[B, H, S]`` contiguous."""
+    from .kernels.hopper_fwd import ROWS_PER_CONSUMER, attention_fwd_hopper_kernel
+
+    batch, seqlen, nhead, head_dim = inputs.q.shape
+    cfg = HOPPER_FWD_CONFIGS[head_dim]
+    rows = ROWS_PER_CONSUMER.value
+    grid = (triton.cdiv(seqlen, rows * cfg.consumers), batch * nhead)
+    kwargs = dict(
+        q_desc=_desc(inputs.q, rows, head_dim), k_desc=_desc(inputs.k, cfg.block_n, head_dim),
+        v_desc=_desc(inputs.v, cfg.block_n, head_dim), o_desc=_desc(out, rows, head_dim),
+        lse_ptr=lse, seqlen=seqlen, H=nhead, kv_group=inputs.nhead_q // inputs.nhead_k,
+        qk_scale=inputs.scale * LOG2E, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, STAGES=cfg.stages,
+        NUM_CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs, CAUSAL=inputs.mask.is_causal,
+        num_warps=4, maxnreg=cfg.maxnreg,
+    )
+    return attention_fwd_hopper_kernel, grid, kwargs
+
+
+def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
+    """The backward's three (kernel, grid, kwargs), in order; dq, dk, dv contiguous ``[B, S, H, D]``."""
+    from .kernels.hopper_bwd import (
+        BLOCK_N,
+        STAT_PAD,
+        WG_KEYS,
+        attention_bwd_hopper_kernel,
+        hopper_bwd_convert_dq,
+        hopper_bwd_preprocess,
+    )
+
+    q = inputs.q
+    batch, seqlen, nhead, head_dim = q.shape
+    cfg = HOPPER_BWD_CONFIGS[head_dim]
+    lse = lse.contiguous()
+    seqlen_pad = triton.cdiv(seqlen, STAT_PAD) * STAT_PAD
+    neg_delta = torch.empty((batch, nhead, seqlen_pad), dtype=torch.float32, device=q.device)
+    neg_lse = torch.empty_like(neg_delta)
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    preprocess = dict(
+        O=out, DO=dout, Lse=lse, NegDelta=neg_delta, NegLse=neg_lse, seqlen=seqlen, seqlen_pad=seqlen_pad,
+        H=nhead, inv_scale=1.0 / inputs.scale, stride_ob=out.stride(0), stride_os=out.stride(1),
+        stride_oh=out.stride(2), stride_dob=dout.stride(0), stride_dos=dout.stride(1),
+        stride_doh=dout.stride(2), HEAD_DIM=head_dim, BLOCK=STAT_PAD, num_warps=8,
+    )
+    dq_cols = head_dim if cfg.block_m == 128 else head_dim // 2
+    main = dict(
+        q_desc=_desc(q, cfg.block_m, head_dim), k_desc=_desc(inputs.k, BLOCK_N.value, head_dim),
+        v_desc=_desc(inputs.v, WG_KEYS.value, head_dim), do_desc=_desc(dout, cfg.block_m, head_dim),
+        dk_desc=_desc(dk, WG_KEYS.value, head_dim), dv_desc=_desc(dv, WG_KEYS.value, head_dim),
+        dq_desc=_desc(dq_acc, 64, dq_cols, swizzle=False), lse_desc=_stat_desc(neg_lse, cfg.block_m),
+        delta_desc=_stat_desc(neg_delta, cfg.block_m), seqlen=seqlen, H=nhead,
+        qk_scale=inputs.scale * LOG2E, sm_scale=inputs.scale, BLOCK_M=cfg.block_m, HEAD_DIM=head_dim,
+        STAGES=cfg.stages, DS_BUFS=cfg.ds_bufs, CONSUMER_REGS=cfg.consumer_regs,
+        CAUSAL=inputs.mask.is_causal, num_warps=4, maxnreg=cfg.maxnreg,
+    )
+    convert = dict(Acc=dq_acc, DQ=dq, n=dq.numel(), scale=inputs.scale, BLOCK=CONVERT_BLOCK, num_warps=8)
+    return [
+        (hopper_bwd_preprocess, (seqlen_pad // STAT_PAD, batch * nhead), preprocess),
+        (attention_bwd_hopper_kernel, (triton.cdiv(seqlen, BLOCK_N.value), batch * nhead), main),
+        (hopper_bwd_convert_dq, (triton.cdiv(dq.numel(), CONVERT_BLOCK),), convert),
+    ]

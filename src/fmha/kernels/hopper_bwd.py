@@ -1,0 +1,316 @@
+"""Backward attention for Hopper (sm_90a) in Triton's Gluon dialect, FlashAttention-3's split.
+
+Three launches: ``hopper_bwd_preprocess`` (Triton) writes ``-delta`` and ``-lse / scale`` per query
+row, padded to a multiple of 128 rows (padding: delta 0, lse +inf, so P = 0 there and the main
+loop needs no query bound); ``attention_bwd_hopper_kernel`` (Gluon); ``hopper_bwd_convert_dq``
+(Triton) scales the fp32 dQ accumulator into dQ.
+
+Main kernel: one CTA per (128-key tile, batch * head), roles by ``gl.warp_specialize``:
+
+* a producer warp loads K and V once by TMA, then streams Q_i with its -lse slice and dO_i with its
+  -delta slice through a ``STAGES``-deep ring;
+* two consumer warpgroups each own 64 keys (keys on the wgmma M side). Per query tile:
+  ``S^T = K Q^T`` and ``dP^T = V dO^T`` start from the folded statistics, so
+  ``P^T = exp2(S^T * scale * log2 e)`` and ``dS^T = P^T * dP^T``; then ``dV += P^T dO``,
+  ``dK += dS^T Q`` and ``dQ_part = dS K``, which a TMA bulk reduce-add sums into the fp32
+  accumulator (the order of those adds varies: this is the atomic mode).
+* the epilogue writes dV and ``dK * scale`` by TMA through this warpgroup's half of the V tile.
+
+Tensors are addressed like the forward's: 4-D descriptors over ``[B, S, H, D]``, boxes
+``[1, rows, 1, cols]``, rows past the sequence zero-filled on load and clipped on store.
+"""
+
+import triton
+import triton.language as tl
+from triton._C.libtriton import ir as _ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin as _gl_builtin
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+BLOCK_N = gl.constexpr(128)  # keys per CTA
+WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma)
+STAT_PAD = 128  # statistics rows are padded to a multiple of every BLOCK_M
+
+
+# Gluon 3.6 has no wrapper for the TMA reduction; its op builder has one
+# (ttng.async_tma_reduce -> cp.reduce.async.bulk.tensor.add.f32).
+@_gl_builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@triton.jit
+def hopper_bwd_preprocess(O, DO, Lse, NegDelta, NegLse, seqlen, seqlen_pad, H, inv_scale,
+                          stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
+                          HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, HEAD_DIM)
+    ok = rows < seqlen
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + rows[:, None].to(tl.int64) * stride_os
+                + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + rows[:, None].to(tl.int64) * stride_dos
+                 + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    lse = tl.load(Lse + bh.to(tl.int64) * seqlen + rows, mask=ok, other=float("inf"))
+    pad = bh.to(tl.int64) * seqlen_pad + rows
+    # Negated: they are the initial values of the S^T and dP^T accumulators.
+    tl.store(NegDelta + pad, tl.where(ok, -tl.sum(o * do, 1), 0.0))
+    tl.store(NegLse + pad, -lse * inv_scale)
+
+
+@triton.jit
+def hopper_bwd_convert_dq(Acc, DQ, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < n
+    acc = tl.load(Acc + offs, mask=keep, other=0.0)
+    tl.store(DQ + offs, (acc * scale).to(DQ.dtype.element_ty), mask=keep)
+
+
+@gluon.jit
+def _query_tiles(n0, seqlen, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """(m_lo, m_mask_end, m_hi) in query tiles for the key tile at n0: tiles [m_lo, m_mask_end)
+    need the mask (causal diagonal, or all tiles of a ragged key tile), the rest none."""
+    m_hi = gl.cdiv(seqlen, BLOCK_M)
+    if CAUSAL:
+        m_lo = n0 // BLOCK_M
+        # some key > some row iff the tile's first row < n0 + BLOCK_N - 1; a ragged key tile is
+        # the last, whose mask range then reaches m_hi anyway
+        m_mask_end = gl.minimum(gl.cdiv(n0 + BLOCK_N - 1, BLOCK_M), m_hi)
+    else:
+        m_lo = 0
+        m_mask_end = 0
+        if n0 + BLOCK_N > seqlen:
+            m_mask_end = m_hi
+    return m_lo, m_mask_end, m_hi
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
+              lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqlen, H,
+              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    n0 = gl.program_id(0) * BLOCK_N
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    m_lo, m_mask_end, m_hi = _query_tiles(n0, seqlen, BLOCK_M, CAUSAL)
+
+    # V as two 64-key halves: each is one warpgroup's operand and later its epilogue buffer.
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, n0, h, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [b, n0, h, 0], kv_bar, v_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [b, n0 + WG_KEYS, h, 0], kv_bar, v_smem.index(1))
+
+    for m in range(m_lo, m_hi):
+        it = m - m_lo
+        s = it % STAGES
+        ph = ((it // STAGES) & 1) ^ 1  # a fresh mbarrier passes a wait on parity 1 at once
+        mbarrier.wait(q_empty.index(s), ph)
+        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, m * BLOCK_M, h, 0], q_ready.index(s), q_bufs.index(s))
+        tma.async_copy_global_to_shared(lse_desc, [bh, m * BLOCK_M], q_ready.index(s), lse_bufs.index(s))
+        mbarrier.wait(do_empty.index(s), ph)
+        mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [b, m * BLOCK_M, h, 0], do_ready.index(s), do_bufs.index(s))
+        tma.async_copy_global_to_shared(delta_desc, [bh, m * BLOCK_M], do_ready.index(s), delta_bufs.index(s))
+
+
+@gluon.jit
+def _consumer_step(WG: gl.constexpr, it, m, m_mask_end, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs, dq_smem,
+                   p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc, lse_bufs,
+                   delta_bufs, b, h, keys, seqlen, qk_scale, dk, dv, sT_layout: gl.constexpr,
+                   dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr):
+    dtype: gl.constexpr = q_bufs.dtype
+    s = it % STAGES
+    ph = (it // STAGES) & 1
+    m0 = m * BLOCK_M
+
+    # The statistics start the accumulators (with keys on M they are per column, 16 registers
+    # each that would otherwise stay live); they come from the ring slot, loaded with Q and dO.
+    mbarrier.wait(q_ready.index(s), ph)
+    q_s = q_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
+    neg_lse = lse_bufs.index(s).load(sT_layout)
+    sT = warpgroup_mma(k_w, q_s.permute((1, 0)), gl.zeros([WG_KEYS, BLOCK_M], gl.float32, sT_layout) + neg_lse,
+                       is_async=True)
+    mbarrier.wait(do_ready.index(s), ph)
+    do_s = do_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
+    neg_delta = delta_bufs.index(s).load(sT_layout)
+    dpT = warpgroup_mma(v_w, do_s.permute((1, 0)), gl.zeros([WG_KEYS, BLOCK_M], gl.float32, sT_layout) + neg_delta,
+                        is_async=True)
+
+    sT = warpgroup_mma_wait(1, deps=[sT])  # S^T done; dP^T may still run under the exp2
+    pT = gl.exp2(sT * qk_scale)
+    if m < m_mask_end:  # uniform branch: diagonal tiles, or every tile of a ragged key tile
+        keep = keys[:, None] < seqlen
+        if CAUSAL:
+            cols = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, sT_layout))
+            keep = keep & (keys[:, None] <= cols[None, :])
+        pT = gl.where(keep, pT, 0.0)
+    # P^T feeds dV from this warpgroup's own smem tile: as a register operand it would stay live
+    # beside dP^T, dK and dV and spill.
+    p_smem.store(pT.to(dtype))
+    fence_async_shared()
+    dpT = warpgroup_mma_wait(0, deps=[dpT])
+    dsT = (pT * dpT).to(dtype)
+    dv = warpgroup_mma(p_smem, do_s, dv, is_async=True)
+
+    # dS^T goes to this warpgroup's half of a shared [128, BLOCK_M] tile that both dQ wgmma read.
+    buf = it % DS_BUFS
+    ph_ds = (it // DS_BUFS) & 1
+    ds_buf = ds_bufs.index(buf)
+    mbarrier.wait(ds_empty.index(buf), ph_ds ^ 1)  # both dQ wgmma of its previous use retired
+    ds_buf.slice(WG * WG_KEYS, WG_KEYS, dim=0).store(dsT)
+    fence_async_shared()
+    mbarrier.arrive(ds_ready.index(buf))
+    mbarrier.wait(ds_ready.index(buf), ph_ds)  # both halves written
+    dk = warpgroup_mma(ds_buf.slice(WG * WG_KEYS, WG_KEYS, dim=0), q_s, dk, is_async=True)
+    ds_full = ds_buf.permute((1, 0))
+    if BLOCK_M == 128:  # this warpgroup's 64 query rows, every head-dim column
+        dq = warpgroup_mma(ds_full.slice(WG * 64, 64, dim=0), k_full,
+                           gl.zeros([64, HEAD_DIM], gl.float32, dq_layout), use_acc=False, is_async=True)
+    else:  # every query row, this warpgroup's half of the head-dim columns
+        dq = warpgroup_mma(ds_full, k_full.slice(WG * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1),
+                           gl.zeros([64, HEAD_DIM // 2], gl.float32, dq_layout), use_acc=False, is_async=True)
+
+    dv, dk = warpgroup_mma_wait(1, deps=[dv, dk])  # dO and Q no longer read: free the slot
+    mbarrier.arrive(do_empty.index(s))
+    mbarrier.arrive(q_empty.index(s))
+    dq = warpgroup_mma_wait(0, deps=[dq])
+    mbarrier.arrive(ds_empty.index(buf))
+
+    tma.store_wait(0)  # the previous reduction has read dq_smem
+    dq_smem.reshape([64, dq.shape[1]]).store(dq)
+    fence_async_shared()
+    if BLOCK_M == 128:
+        _tma_reduce_add(dq_desc, [b, m0 + WG * 64, h, 0], dq_smem)
+    else:
+        _tma_reduce_add(dq_desc, [b, m0, h, WG * (HEAD_DIM // 2)], dq_smem)
+    return dk, dv
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
+              delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready,
+              ds_empty, seqlen, H, qk_scale, sm_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+              STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr):
+    dtype: gl.constexpr = q_bufs.dtype
+    sT_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    DQ_COLS: gl.constexpr = HEAD_DIM if BLOCK_M == 128 else HEAD_DIM // 2
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_COLS, 16])
+
+    n0 = gl.program_id(0) * BLOCK_N
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    m_lo, m_mask_end, m_hi = _query_tiles(n0, seqlen, BLOCK_M, CAUSAL)
+    keys = n0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, sT_layout))
+
+    mbarrier.wait(kv_bar, 0)
+    k_full = k_smem.reshape([BLOCK_N, HEAD_DIM])
+    k_w = k_full.slice(WG * WG_KEYS, WG_KEYS, dim=0)
+    v_w = v_smem.index(WG).reshape([WG_KEYS, HEAD_DIM])
+    dq_smem = dq_bufs.index(WG)
+    p_smem = p_bufs.index(WG)
+
+    dk = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, kv_layout)
+    for m in range(m_lo, m_hi):
+        dk, dv = _consumer_step(WG, m - m_lo, m, m_mask_end, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs, dq_smem,
+                                p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc, lse_bufs,
+                                delta_bufs, b, h, keys, seqlen, qk_scale, dk, dv, sT_layout, dq_layout,
+                                BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)
+
+    # Epilogue through this warpgroup's V half: only its own dP^T wgmma read it, all retired.
+    out_smem = v_smem.index(WG)
+    out2 = out_smem.reshape([WG_KEYS, HEAD_DIM])
+    out2.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dv_desc, [b, n0 + WG * WG_KEYS, h, 0], out_smem)
+    tma.store_wait(0)  # also drains the last dQ reduction
+    out2.store((dk * sm_scale).to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, n0 + WG * WG_KEYS, h, 0], out_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer0(dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
+               dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, seqlen, H,
+               qk_scale, sm_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+               DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr):
+    _consumer(0, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
+              dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, seqlen, H,
+              qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)
+
+
+@gluon.jit
+def _consumer1(dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
+               dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, seqlen, H,
+               qk_scale, sm_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+               DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr):
+    _consumer(1, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
+              dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, seqlen, H,
+              qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)
+
+
+@gluon.jit(do_not_specialize=["seqlen", "H"])
+def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
+                                seqlen, H, qk_scale, sm_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                                STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                CAUSAL: gl.constexpr):
+    gl.static_assert(BLOCK_M == 64 or BLOCK_M == 128)
+    dtype: gl.constexpr = q_desc.dtype
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, BLOCK_M], dtype)
+
+    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    ds_bufs = gl.allocate_shared_memory(dtype, [DS_BUFS, BLOCK_N, BLOCK_M], ds_layout)
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    p_bufs = gl.allocate_shared_memory(dtype, [2, WG_KEYS, BLOCK_M], p_layout)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [DS_BUFS, 1], mbarrier.MBarrierLayout())
+    ds_empty = gl.allocate_shared_memory(gl.int64, [DS_BUFS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # one arrive per consumer warpgroup
+        mbarrier.init(do_empty.index(i), count=2)
+    for i in gl.static_range(DS_BUFS):
+        mbarrier.init(ds_ready.index(i), count=2)
+        mbarrier.init(ds_empty.index(i), count=2)
+
+    gl.warp_specialize([
+        (_consumer0, (dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
+                      dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, seqlen, H,
+                      qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)),
+        (_consumer1, (dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
+                      dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, seqlen, H,
+                      qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
+                     lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqlen, H, BLOCK_M,
+                     STAGES, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, 24])

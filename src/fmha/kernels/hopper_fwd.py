@@ -1,0 +1,259 @@
+"""Forward attention for Hopper (sm_90a) in Triton's Gluon dialect, FlashAttention-3's structure.
+
+One CTA holds ``64 * NUM_CONSUMERS`` query rows of one (batch, head). Warp roles
+(``gl.warp_specialize``):
+
+* consumer warpgroups (4 warps each; consumer 0 is the default partition) own 64 query rows. Per
+  key tile j they issue ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` as async wgmma, run the online
+  softmax of S_j while the PV wgmma runs, then rescale O. So each warpgroup overlaps its softmax
+  with its own matrix work, and the warpgroups overlap each other.
+* a producer warp streams K_j and V_j by TMA into ``STAGES``-deep rings, with a ready (TMA byte
+  count) and an empty (one arrive per consumer) mbarrier per slot.
+
+q/k/v/out are addressed through 4-D TMA descriptors over ``[B, S, H, D]`` with their own strides and
+boxes ``[1, rows, 1, D]``: rows past the sequence are zero-filled on load and clipped on store,
+per batch, so ragged tiles need no bounds but the key mask. K/V heads are ``h // kv_group`` (GQA).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+ROWS_PER_CONSUMER = gl.constexpr(64)  # one m64 wgmma per consumer warpgroup
+
+
+@gluon.jit
+def _key_tiles(m0, seqlen, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(n_tiles, n_unmasked) of the CTA whose first query row is m0: tiles [0, n_unmasked) need
+    no mask (every key < seqlen and, if causal, <= every row), the rest are masked."""
+    if CAUSAL:
+        n_tiles = gl.cdiv(gl.minimum(seqlen, m0 + BLOCK_M), BLOCK_N)
+        n_unmasked = gl.minimum(m0 // BLOCK_N, seqlen // BLOCK_N)
+    else:
+        n_tiles = gl.cdiv(seqlen, BLOCK_N)
+        n_unmasked = seqlen // BLOCK_N
+    return n_tiles, n_unmasked
+
+
+@gluon.jit
+def _this_program(seqlen, H, BLOCK_M: gl.constexpr):
+    """(batch, head, first query row). A head's query tiles run last-first: under a causal mask the
+    longest start first, and a full mask does not care."""
+    pid_m = gl.cdiv(seqlen, BLOCK_M) - 1 - gl.program_id(0)
+    bh = gl.program_id(1)
+    return bh // H, bh % H, pid_m * BLOCK_M
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqlen, H, kv_group,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    b, h, m0 = _this_program(seqlen, H, BLOCK_M)
+    n_tiles, n_unmasked = _key_tiles(m0, seqlen, BLOCK_M, BLOCK_N, CAUSAL)
+    h_kv = h // kv_group
+    for j in range(n_tiles):
+        s = j % STAGES
+        # Use u = j // STAGES of slot s waits for the consumers' release of use u - 1; a fresh
+        # mbarrier counts as having completed the phase before its first, so u = 0 passes at once.
+        ph = ((j // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(s), ph)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, j * BLOCK_N, h_kv, 0], k_ready.index(s), k_bufs.index(s))
+        mbarrier.wait(v_empty.index(s), ph)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, j * BLOCK_N, h_kv, 0], v_ready.index(s), v_bufs.index(s))
+
+
+@gluon.jit
+def _softmax_update(qk, m_i, l_i, kv0, rows, seqlen, qk_scale, s_layout: gl.constexpr,
+                    BLOCK_N: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+    """Online softmax of one tile of raw q.k. m is in log2 units of the scaled scores, so
+    p = exp2(qk * qk_scale - m) is one FMA and one ex2 per element."""
+    if MASKED:
+        cols = kv0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = cols[None, :] < seqlen
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= rows[:, None])
+        qk = gl.where(keep, qk, -float("inf"))
+    # Every row sees key 0 in tile 0, which comes first: m is finite from then on, and a later
+    # fully masked tile gives alpha = 1, p = 0, never NaN.
+    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(qk * qk_scale - m_new[:, None])
+    l_new = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_new, alpha
+
+
+@gluon.jit
+def _consumer_step(j, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, o_acc, p_op, m_i, l_i,
+                   rows, seqlen, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                   p_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+    """Key tile j >= 1: S_j = Q K_j^T beside O += P_{j-1} V_{j-1}, then the softmax of S_j."""
+    s = j % STAGES
+    sp = (j - 1) % STAGES
+    mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+    k_t = k_bufs.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+    qk = warpgroup_mma(q_tile, k_t, gl.zeros([ROWS_PER_CONSUMER, BLOCK_N], gl.float32, s_layout),
+                       use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
+    o_acc = warpgroup_mma(p_op, v_bufs.index(sp).reshape([BLOCK_N, HEAD_DIM]), o_acc, is_async=True)
+
+    # wgmma groups retire in order: at most one outstanding means S_j is done, PV may still run.
+    qk = warpgroup_mma_wait(1, deps=[qk])
+    mbarrier.arrive(k_empty.index(s))
+    p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, j * BLOCK_N, rows, seqlen, qk_scale, s_layout,
+                                         BLOCK_N, MASKED, CAUSAL)
+    o_acc, p_op = warpgroup_mma_wait(0, deps=[o_acc, p_op])
+    mbarrier.arrive(v_empty.index(sp))
+    o_acc = o_acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p_op = gl.convert_layout(p.to(q_tile.dtype), p_layout)
+    return o_acc, p_op, m_i, l_i
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
+              v_ready, v_empty, seqlen, H, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    ROWS: gl.constexpr = ROWS_PER_CONSUMER
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    # P feeds the PV wgmma from registers (k_width 2: two 16-bit values per 32-bit register).
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    b, h, m0 = _this_program(seqlen, H, BLOCK_M)
+    n_tiles, n_unmasked = _key_tiles(m0, seqlen, BLOCK_M, BLOCK_N, CAUSAL)
+    row0 = m0 + WG * ROWS
+    rows = row0 + gl.arange(0, ROWS, layout=row_layout)
+
+    q_smem = q_bufs.index(WG)
+    q_bar = q_bars.index(WG)
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, row0, h, 0], q_bar, q_smem)
+    mbarrier.wait(q_bar, 0)
+    q_tile = q_smem.reshape([ROWS, HEAD_DIM])
+
+    # Tile 0 is always masked: cheap, and it keeps both loops below uniform.
+    mbarrier.wait(k_ready.index(0), 0)
+    k_t = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+    qk = warpgroup_mma(q_tile, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                       is_async=True)
+    qk = warpgroup_mma_wait(0, deps=[qk])
+    mbarrier.arrive(k_empty.index(0))
+    m_i = gl.full([ROWS], -float("inf"), gl.float32, row_layout)
+    l_i = gl.full([ROWS], 0.0, gl.float32, row_layout)
+    p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, 0, rows, seqlen, qk_scale, s_layout, BLOCK_N,
+                                         True, CAUSAL)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    o_acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+
+    for j in range(1, n_unmasked):
+        o_acc, p_op, m_i, l_i = _consumer_step(j, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                                               o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, s_layout,
+                                               o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, False, CAUSAL)
+    for j in range(gl.maximum(n_unmasked, 1), n_tiles):
+        o_acc, p_op, m_i, l_i = _consumer_step(j, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                                               o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, s_layout,
+                                               o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, True, CAUSAL)
+
+    jl = n_tiles - 1
+    sl = jl % STAGES
+    mbarrier.wait(v_ready.index(sl), (jl // STAGES) & 1)
+    o_acc = warpgroup_mma(p_op, v_bufs.index(sl).reshape([BLOCK_N, HEAD_DIM]), o_acc, is_async=True)
+    o_acc = warpgroup_mma_wait(0, deps=[o_acc, p_op])[0]
+    mbarrier.arrive(v_empty.index(sl))
+
+    # Epilogue: O / l and the natural-log LSE; O leaves through the Q buffer (its last reader,
+    # the wgmma, has retired) and a TMA store that clips rows past the sequence.
+    o_acc = o_acc * gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))[:, None]
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+    gl.store(lse_ptr + (b * H + h).to(gl.int64) * seqlen + rows, lse, mask=rows < seqlen)
+    q_tile.store(o_acc.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, row0, h, 0], q_smem)
+    tma.store_wait(0)
+
+
+# One function per consumer: each warp_specialize partition gets its own named barrier, so one
+# warpgroup's mbarrier arrive never waits on the other.
+@gluon.jit
+def _consumer0(q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+               seqlen, H, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+               STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    _consumer(0, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+              seqlen, H, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)
+
+
+@gluon.jit
+def _consumer1(q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+               seqlen, H, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+               STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    _consumer(1, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+              seqlen, H, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)
+
+
+@gluon.jit
+def _consumer2(q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+               seqlen, H, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+               STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    _consumer(2, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+              seqlen, H, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)
+
+
+# seqlen, H and kv_group are not specialized: one compile serves every shape of a config.
+@gluon.jit(do_not_specialize=["seqlen", "H", "kv_group"])
+def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen, H, kv_group, qk_scale,
+                                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                                NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                CAUSAL: gl.constexpr):
+    gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3)
+    BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * NUM_CONSUMERS
+    dtype: gl.constexpr = q_desc.dtype
+
+    q_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_CONSUMERS):
+        mbarrier.init(q_bars.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
+
+    # The argument tuples stay inline: a tuple assigned to a local first turns its constexprs into
+    # tensors, which then cannot build layouts.
+    if NUM_CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer0, (q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+                          v_empty, seqlen, H, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+            (_consumer1, (q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+                          v_empty, seqlen, H, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqlen, H, kv_group,
+                         BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer0, (q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+                          v_empty, seqlen, H, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+            (_consumer1, (q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+                          v_empty, seqlen, H, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+            (_consumer2, (q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+                          v_empty, seqlen, H, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqlen, H, kv_group,
+                         BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])

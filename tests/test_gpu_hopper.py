@@ -1,0 +1,78 @@
+"""The Hopper fast path (Gluon kernels) against the reference, at shapes that exercise its edges:
+ragged tiles, a single row, GQA/MQA, causal, strided and head-major layouts, fp16 and bf16.
+
+Run on an H100/H200 with ``python -m pytest tests/test_gpu_hopper.py``; skipped elsewhere (the
+portable kernels cover the same semantics there).
+"""
+
+import pytest
+import torch
+
+import fmha
+from fmha import hopper
+from fmha.inputs import check_inputs
+from fmha.testing import error_bound, max_error, random_qkv
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")]
+
+# (batch, seqlen, nhead_q, nhead_k, head_dim, mask, dtype, layout)
+CASES = [
+    (2, 1000, 8, 8, 128, None, torch.bfloat16, "bshd"),
+    (2, 1000, 8, 8, 128, "t", torch.bfloat16, "bshd"),
+    (1, 4096, 4, 4, 128, "b", torch.bfloat16, "bhsd"),
+    (2, 259, 4, 4, 64, None, torch.float16, "bhsd"),
+    (2, 333, 6, 6, 64, "t", torch.bfloat16, "strided"),
+    (3, 1, 4, 4, 64, "t", torch.bfloat16, "bshd"),
+    (1, 517, 8, 2, 128, "t", torch.bfloat16, "bshd"),
+    (2, 300, 4, 1, 256, None, torch.float16, "bshd"),
+    (1, 1100, 4, 4, 256, "t", torch.bfloat16, "strided"),
+]
+IDS = [f"b{b}-s{s}-h{hq}/{hk}-d{d}-{mask or 'n'}-{str(dt)[6:]}-{layout}" for b, s, hq, hk, d, mask, dt, layout in CASES]
+
+
+def _problem(case):
+    batch, seqlen, nhead_q, nhead_k, head_dim, mask, dtype, layout = case
+    g = torch.Generator().manual_seed(seqlen)
+    q, k, v = random_qkv(batch, seqlen, seqlen, nhead_q, nhead_k, head_dim, head_dim, dtype=dtype,
+                         device="cuda", layout=layout, generator=g)
+    dout = torch.randn(batch, seqlen, nhead_q, head_dim, generator=g).to("cuda", dtype)
+    return q, k, v, dout, dict(mask=mask)
+
+
+def _reference(q, k, v, dout, kwargs, dtype):
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    result = fmha.reference.attention(*leaves, compute_dtype=dtype, **kwargs)
+    grads = torch.autograd.grad(result.out, leaves, dout.to(dtype))
+    return result.out, result.lse, grads
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_fast_path_takes_these_problems(case):
+    q, k, v, _, kwargs = _problem(case)
+    inputs = check_inputs(q, k, v, **kwargs)
+    assert hopper.fwd_unsupported(inputs) is None
+    _, _, nhead_q, nhead_k, head_dim, _, _, _ = case
+    reason = hopper.bwd_unsupported(inputs, deterministic=False)
+    assert (reason is None) == (nhead_q == nhead_k and head_dim in (64, 128)), reason
+    if reason is None:
+        assert hopper.bwd_unsupported(inputs, deterministic=True).startswith("deterministic mode")
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_forward_and_backward_against_reference(case):
+    q, k, v, dout, kwargs = _problem(case)
+    dtype = q.dtype
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    result = fmha.fwd(*leaves, **kwargs, return_lse=True)
+    out = fmha.attention(*leaves, **kwargs)
+    grads = torch.autograd.grad(out, leaves, dout)
+
+    exact_out, exact_lse, exact_grads = _reference(q, k, v, dout, kwargs, torch.float32)
+    low_out, _, low_grads = _reference(q, k, v, dout, kwargs, dtype)
+    assert torch.equal(result.out, out.detach())
+    assert max_error(result.out, exact_out) <= error_bound(dtype, max_error(low_out, exact_out))
+    assert max_error(result.lse, exact_lse) <= 2e-3
+    for name, got, exact, low in zip("qkv", grads, exact_grads, low_grads):
+        assert torch.isfinite(got).all(), f"d{name}"
+        assert max_error(got, exact) <= error_bound(dtype, max_error(low, exact)), f"d{name}"

@@ -1,0 +1,52 @@
+"""Which problems the Hopper fast path takes (the selection logic runs anywhere; the kernels are
+checked on the GPU in test_gpu_hopper.py)."""
+
+import pytest
+import torch
+
+from fmha import hopper
+from fmha.inputs import check_inputs
+
+
+def _inputs(seqlen_k=64, nhead_k=4, head_dim=128, head_dim_v=None, dtype=torch.bfloat16, **kwargs):
+    q = torch.empty(2, 64, 4, head_dim, dtype=dtype)
+    k = torch.empty(2, seqlen_k, nhead_k, head_dim, dtype=dtype)
+    v = torch.empty(2, seqlen_k, nhead_k, head_dim_v or head_dim, dtype=dtype)
+    return check_inputs(q, k, v, **kwargs)
+
+
+def test_cpu_tensors_take_the_portable_kernels():
+    assert hopper.fwd_unsupported(_inputs()) == "not on a CUDA device"
+    assert hopper.bwd_unsupported(_inputs(), deterministic=False) == "not on a CUDA device"
+
+
+@pytest.mark.parametrize("kwargs", [{}, dict(mask="t"), dict(mask="b"), dict(nhead_k=1), dict(head_dim=64),
+                                    dict(head_dim=256, mask="t")])
+def test_problems_it_covers(kwargs):
+    assert hopper._problem_reason(_inputs(**kwargs), hopper.HOPPER_FWD_CONFIGS) is None
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(dtype=torch.float32), "fp16 and bf16 only"),
+    (dict(seqlen_k=80), "seqlen_q != seqlen_k"),
+    (dict(head_dim=96), "head dims [64, 128, 256] with dq == dv only"),
+    (dict(head_dim=128, head_dim_v=64), "head dims [64, 128, 256] with dq == dv only"),
+    (dict(bias=torch.empty(64, 64, dtype=torch.bfloat16)), "elementwise bias"),
+    (dict(alibi_slopes=torch.ones(4)), "ALiBi"),
+    (dict(dropout_p=0.1), "dropout"),
+    (dict(mask="t:16,0"), "sliding-window mask"),
+])
+def test_problems_it_leaves_to_the_portable_kernels(kwargs, reason):
+    assert hopper._problem_reason(_inputs(**kwargs), hopper.HOPPER_FWD_CONFIGS) == reason
+
+
+def test_group_mode_is_left_to_the_portable_kernels():
+    q = torch.empty(100, 4, 64, dtype=torch.bfloat16)
+    starts = torch.tensor([0, 40, 100], dtype=torch.int32)
+    inputs = check_inputs(q, q, q, seqstart_q=starts, seqstart_k=starts)
+    assert hopper._problem_reason(inputs, hopper.HOPPER_FWD_CONFIGS) == "group (varlen) mode"
+
+
+def test_portable_switch(monkeypatch):
+    monkeypatch.setenv("FMHA_PORTABLE", "1")
+    assert hopper.fwd_unsupported(_inputs()) == "FMHA_PORTABLE=1"

@@ -140,3 +140,13 @@ def test_largest_shipped_tiles_compile_for_hopper_within_shared_memory():
                           env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "28/28 kernel configs compile for sm_90 within shared memory" in proc.stdout, proc.stdout
+
+
+def test_hopper_fast_path_compiles_for_sm90_without_spills():
+    """The Gluon kernels of every shipped Hopper config build for sm_90a, fit in shared memory and
+    do not spill (warp specialization hands each role its registers; a spill would mean the
+    register split no longer fits)."""
+    proc = subprocess.run([sys.executable, "-m", "fmha.compile_check", "--only", "hopper"],
+                          env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "36/36 kernel configs compile for sm_90 within shared memory and without spills" in proc.stdout, proc.stdout

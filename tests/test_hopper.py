@@ -18,6 +18,7 @@ def _inputs(seqlen_k=64, nhead_k=4, head_dim=128, head_dim_v=None, dtype=torch.b
 def test_cpu_tensors_take_the_portable_kernels():
     assert hopper.fwd_unsupported(_inputs()) == "not on a CUDA device"
     assert hopper.bwd_unsupported(_inputs(), deterministic=False) == "not on a CUDA device"
+    assert hopper.device_unsupported(torch.device("cpu")) == "not on a CUDA device"
 
 
 @pytest.mark.parametrize("kwargs", [{}, dict(mask="t"), dict(mask="b"), dict(nhead_k=1), dict(head_dim=64),

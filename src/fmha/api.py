@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from . import ops
-from . import autograd  # noqa: F401  (registers the fmha:: custom ops)
+from . import autograd
 from .inputs import check_inputs, check_kernel_device
 from .masks import MaskLike
 
@@ -92,7 +92,8 @@ def _differentiable(q, k, v, *, deterministic, return_lse, return_randval, **kwa
     if inputs.dropout_p > 0:
         philox = ops.philox_seed_offset(inputs.seed, inputs.offset, q.device)
     mask = inputs.mask
-    out, lse, randval = torch.ops.fmha.fwd(
+    forward = torch.ops.fmha.fwd if autograd.use_custom_ops(q) else autograd.EagerAttention.apply
+    out, lse, randval = forward(
         inputs.q, inputs.k, inputs.v, kwargs.get("bias"), kwargs.get("alibi_slopes"), philox,
         inputs.cu_seqlen_q, inputs.cu_seqlen_k, inputs.seqstart_q, inputs.seqstart_k, inputs.seqlen_k,
         inputs.seqstart_padded_q, inputs.seqstart_padded_k, inputs.scale, int(mask.type), mask.left,

@@ -1,15 +1,22 @@
-"""The forward and backward launches as torch.library custom ops, ``fmha::fwd`` and ``fmha::bwd``.
+"""The forward and backward launches as torch.library custom ops, ``fmha::fwd`` and ``fmha::bwd``,
+and the same pair as a plain ``torch.autograd.Function`` for eager calls.
 
 Each op is one opaque node to torch.compile: a fake implementation gives its output shapes without
 running anything, and ``register_autograd`` links ``fmha::fwd`` to ``fmha::bwd``. Validation
 (``fmha.inputs.check_inputs``) runs before the ops, in plain Python that dynamo traces; the ops
 take only tensors and plain scalars and never read index tensors on the host.
+
+The dispatcher costs a custom op about 100 us of host time per call (argument schema handling in
+Python), as much as a whole kernel at short sequences. Eager calls on plain tensors therefore go
+through ``EagerAttention``, which runs the same implementations and backward; torch.compile,
+fake tensors and dispatch modes get the ops (``use_custom_ops``).
 """
 
 from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import ops
 from .inputs import AttentionInputs, bias_target
@@ -38,8 +45,7 @@ def _inputs(
     )
 
 
-@torch.library.custom_op("fmha::fwd", mutates_args=())
-def attention_fwd(
+def attention_fwd_impl(
     q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], alibi_slopes: Optional[Tensor],
     philox: Optional[Tensor], cu_seqlen_q: Optional[Tensor], cu_seqlen_k: Optional[Tensor],
     seqstart_q: Optional[Tensor], seqstart_k: Optional[Tensor], seqlen_k: Optional[Tensor],
@@ -54,6 +60,9 @@ def attention_fwd(
                      dropout_p, max_seqlen_q, max_seqlen_k, lse_rows)
     out, lse, randval = ops.fwd(inputs, philox=philox, return_randval=return_randval)
     return out, lse, q.new_empty(0, dtype=torch.uint8) if randval is None else randval
+
+
+attention_fwd = torch.library.custom_op("fmha::fwd", attention_fwd_impl, mutates_args=())
 
 
 @attention_fwd.register_fake
@@ -72,8 +81,7 @@ def _attention_fwd_fake(q, k, v, bias, alibi_slopes, philox, cu_seqlen_q, cu_seq
     return out, lse, q.new_empty(randval_shape, dtype=torch.uint8)
 
 
-@torch.library.custom_op("fmha::bwd", mutates_args=())
-def attention_bwd(
+def attention_bwd_impl(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bias: Optional[Tensor],
     alibi_slopes: Optional[Tensor], philox: Optional[Tensor], cu_seqlen_q: Optional[Tensor],
     cu_seqlen_k: Optional[Tensor], seqstart_q: Optional[Tensor], seqstart_k: Optional[Tensor],
@@ -88,6 +96,9 @@ def attention_bwd(
     dq, dk, dv, dbias = ops.bwd(inputs, dout, out, lse, philox=philox, deterministic=deterministic,
                                 bias_grad=bias_grad)
     return dq, dk, dv, q.new_empty(0) if dbias is None else dbias
+
+
+attention_bwd = torch.library.custom_op("fmha::bwd", attention_bwd_impl, mutates_args=())
 
 
 @attention_bwd.register_fake
@@ -114,13 +125,41 @@ def _setup_context(ctx, inputs, output):
     ctx.bias_grad = bias is not None and ctx.needs_input_grad[_BIAS]
 
 
-def _backward(ctx, dout, _dlse, _drandval):
+def _backward_through(bwd, ctx, dout):
     q, k, v, out, lse, bias, alibi_slopes, philox, *index_args = ctx.saved_tensors
     # torch.use_deterministic_algorithms(True) turns the fixed-order dQ reduction on.
     deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
-    dq, dk, dv, dbias = torch.ops.fmha.bwd(dout, q, k, v, out, lse, bias, alibi_slopes, philox, *index_args,
-                                           *ctx.scalars, deterministic, ctx.bias_grad)
+    dq, dk, dv, dbias = bwd(dout, q, k, v, out, lse, bias, alibi_slopes, philox, *index_args, *ctx.scalars,
+                            deterministic, ctx.bias_grad)
     return (dq, dk, dv, dbias if ctx.bias_grad else None) + (None,) * 19
 
 
+def _backward(ctx, dout, _dlse, _drandval):
+    return _backward_through(torch.ops.fmha.bwd, ctx, dout)
+
+
 torch.library.register_autograd("fmha::fwd", _backward, setup_context=_setup_context)
+
+
+class EagerAttention(torch.autograd.Function):
+    """``fmha::fwd`` and its backward without the dispatcher: same implementations, same context.
+    (The context is set up in ``forward``: a separate ``setup_context`` makes ``apply`` bind the
+    arguments through ``inspect.signature`` on every call.)"""
+
+    @staticmethod
+    def forward(ctx, *args):
+        output = attention_fwd_impl(*args)
+        _setup_context(ctx, args, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, _dlse, _drandval):
+        return _backward_through(attention_bwd_impl, ctx, dout)
+
+
+def use_custom_ops(q: Tensor) -> bool:
+    """Whether a call must go through the custom ops: under torch.compile, for tensor subclasses
+    (fake tensors), under dispatch modes (make_fx) and functorch transforms, which trace rather
+    than run."""
+    return (torch.compiler.is_compiling() or type(q) is not Tensor or _get_current_dispatch_mode() is not None
+            or torch._C._are_functorch_transforms_active())

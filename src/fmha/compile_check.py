@@ -3,7 +3,8 @@
     TRITON_INTERPRET=0 python -m fmha.compile_check [--only TEXT ...] [--allow-spills]
 
 For each (dtype, head dim bucket) of ``fmha.configs`` and a few feature combinations, the forward
-kernel and the backward's kernels (both dQ modes) are specialized exactly as a real launch would
+kernel and the backward's kernels (both dQ modes), and the Hopper fast path's Gluon kernels
+(``--only hopper``), are specialized exactly as a real launch would
 (same launcher code, CPU tensors standing in), compiled by Triton for sm_90, and their PTX
 assembled by ``ptxas -v``. A compile failure, a register spill or shared memory over the sm_90
 limit is reported and fails the check (spills only without ``--allow-spills``; CI runs the
@@ -28,7 +29,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 
-from . import ops  # noqa: E402
+from . import hopper, ops  # noqa: E402
+from .configs import HOPPER_BWD_CONFIGS, HOPPER_FWD_CONFIGS  # noqa: E402
 from .inputs import check_inputs  # noqa: E402
 from .kernels.fwd import attention_fwd_kernel  # noqa: E402
 
@@ -152,6 +154,23 @@ def check_bwd(dtype, dq, dv, features: str, deterministic: bool) -> list[Result]
                      launch.kernel, launch.grid, launch.kwargs) for launch in launches]
 
 
+def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
+    """The Hopper fast path's launches: the Gluon forward, and the backward's three kernels where
+    the head dim has a backward config."""
+    prefix = f"hopper {str(dtype).split('.')[-1]} d={head_dim} [{'causal' if causal else 'plain'}]"
+    q = torch.empty(2, 1000, 4, head_dim, dtype=dtype)  # a ragged length: nothing specializes on it
+    k, v = torch.empty_like(q), torch.empty_like(q)
+    inputs = check_inputs(q, k, v, mask="t" if causal else None)
+    out, lse = torch.empty_like(q), torch.empty(inputs.lse_shape, dtype=torch.float32)
+    kernel, grid, kwargs = hopper.fwd_launch(inputs, out, lse)
+    results = [_compile(f"{prefix} fwd", kernel, grid, kwargs)]
+    if head_dim in HOPPER_BWD_CONFIGS:
+        grads = [torch.empty_like(q) for _ in range(3)]
+        for kernel, grid, kwargs in hopper.bwd_launches(inputs, torch.empty_like(q), out, lse, *grads):
+            results.append(_compile(f"{prefix} bwd {kernel.__name__}", kernel, grid, kwargs))
+    return results
+
+
 def _report(res: Result) -> None:
     status = "ok  " if res.ok else "FAIL" if not res.launches else "SPILL"
     print(f"{status} {res.name:72s} regs={res.registers:3d} spill={res.spill_bytes:5d}B "
@@ -189,6 +208,14 @@ def main(argv: list[str] | None = None) -> int:
                         results += check_bwd(dtype, dq, dv, features, deterministic)
                         for res in results[-3:]:
                             _report(res)
+    for dtype in (torch.float16, torch.bfloat16):
+        for head_dim in HOPPER_FWD_CONFIGS:
+            for causal in (False, True):
+                name = f"hopper {str(dtype).split('.')[-1]} d={head_dim} [{'causal' if causal else 'plain'}]"
+                if wanted(name):
+                    results += check_hopper(dtype, head_dim, causal)
+                    for res in results[-(4 if head_dim in HOPPER_BWD_CONFIGS else 1):]:
+                        _report(res)
     failed = [r for r in results if not (r.launches if args.allow_spills else r.ok)]
     limits = "shared memory" if args.allow_spills else "shared memory and without spills"
     print(f"{len(results) - len(failed)}/{len(results)} kernel configs compile for sm_90 within {limits}")

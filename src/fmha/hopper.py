@@ -8,6 +8,7 @@ interpreter has no Gluon.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -24,12 +25,13 @@ GLUON_TRITON = "3.6."
 CONVERT_BLOCK = 4096
 
 
-def _device_reason(q: torch.Tensor) -> str | None:
+def device_unsupported(device: torch.device) -> str | None:
+    """Why nothing runs the fast path on ``device``, or None."""
     if os.environ.get("FMHA_PORTABLE", "0") == "1":
         return "FMHA_PORTABLE=1"
-    if INTERPRET or q.device.type != "cuda":
+    if INTERPRET or device.type != "cuda":
         return "not on a CUDA device"
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if torch.cuda.get_device_capability(device) != (9, 0):
         return "needs compute capability 9.0 (Hopper)"
     if not triton.__version__.startswith(GLUON_TRITON):
         return f"the Gluon kernels are written for Triton 3.6, this is {triton.__version__}"
@@ -57,12 +59,12 @@ def _problem_reason(inputs: AttentionInputs, head_dims) -> str | None:
 
 def fwd_unsupported(inputs: AttentionInputs) -> str | None:
     """Why the Hopper forward does not run this problem, or None."""
-    return _device_reason(inputs.q) or _problem_reason(inputs, HOPPER_FWD_CONFIGS)
+    return device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_FWD_CONFIGS)
 
 
 def bwd_unsupported(inputs: AttentionInputs, deterministic: bool) -> str | None:
     """Why the Hopper backward does not run this problem, or None."""
-    reason = _device_reason(inputs.q) or _problem_reason(inputs, HOPPER_BWD_CONFIGS)
+    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_BWD_CONFIGS)
     if reason is None and deterministic:
         reason = "deterministic mode (the fast path reduces dQ in arrival order)"
     if reason is None and inputs.nhead_q != inputs.nhead_k:
@@ -70,28 +72,32 @@ def bwd_unsupported(inputs: AttentionInputs, deterministic: bool) -> str | None:
     return reason
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_layout(block: tuple[int, ...], dtype: torch.dtype, swizzle: bool):
+    """The shared-memory layout of a TMA box (cached: building one costs more than the launch)."""
+    from triton.experimental.gluon import language as gl
+
+    if not swizzle:  # fp32 statistics and the dQ staging tile: a 128B swizzle of those spills
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=len(block))
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), element)
+
+
 def _desc(t: torch.Tensor, rows: int, cols: int, swizzle: bool = True):
     """A TMA descriptor over a ``[B, S, H, D]`` tensor with its own strides, box ``[1, rows, 1, cols]``."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[t.dtype]
-    block = [1, rows, 1, cols]
-    if swizzle:
-        layout = gl.NVMMASharedLayout.get_default_for(block, element)
-    else:  # the fp32 dQ staging tile: a 128B swizzle of it spills
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    block = (1, rows, 1, cols)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _smem_layout(block, t.dtype, swizzle))
 
 
 def _stat_desc(t: torch.Tensor, block_m: int):
     """``[B, H, S_pad]`` fp32 statistics as 2-D ``[B*H, S_pad]``, unswizzled boxes ``[1, block_m]``."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     t2 = t.view(-1, t.shape[-1])
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [1, block_m], layout)
+    return TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [1, block_m],
+                            _smem_layout((1, block_m), t.dtype, False))
 
 
 def fwd_launch(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):

@@ -8,7 +8,7 @@ import platform
 import torch
 import triton
 
-from . import __version__
+from . import __version__, hopper
 from .kernels import INTERPRET
 
 
@@ -36,6 +36,7 @@ def features() -> list[tuple[str, bool, str]]:
     cap = _capability()
     gpu = cap is not None
     interpreted = "through the interpreter: correct, slow"
+    hopper_off = hopper.device_unsupported(torch.device("cuda" if gpu else "cpu"))
     rows = [
         ("forward and backward kernels", True, "compiled for this GPU" if gpu else interpreted),
         ("fp16, fp32, fp64 inputs", True, "yes (fp64 is for gradcheck: CUDA cores on a GPU)"),
@@ -43,6 +44,9 @@ def features() -> list[tuple[str, bool, str]]:
          "needs compute capability 8.0 or newer" if gpu and cap < (8, 0) else "yes"),
         ("masks, bias and dbias, ALiBi, dropout (CK's bytes), GQA/MQA, group mode", True, "yes"),
         ("deterministic backward", True, "bitwise repeatable, no workspace"),
+        ("Hopper fast path (Gluon, warp-specialized)", hopper_off is None,
+         hopper_off or ("forward d 64/128/256, atomic backward d 64/128: fp16/bf16 batch mode, seqlen_q == "
+                        "seqlen_k, no bias, ALiBi, dropout or window; the portable kernels take the rest")),
         ("TMA bulk dQ reduction (atomic backward)", gpu and cap >= (9, 0),
          "Hopper or newer" if gpu and cap >= (9, 0) else
          ("needs compute capability 9.0; per-element atomics instead" if gpu else "GPU only; per-element path")),

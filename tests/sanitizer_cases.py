@@ -5,7 +5,8 @@
 
 Not a pytest module. Each case runs the atomic and then the deterministic backward: ragged lengths
 (1, 17, 259: not multiples of any tile), padded varlen, GQA, dropout (with the randval store), bias
-with dbias, ALiBi, windows, head dims 32 to 256 and dq != dv, fp16, bf16 and fp32. Out, LSE, the
+with dbias, ALiBi, windows, head dims 32 to 256 and dq != dv, fp16, bf16 and fp32, and the Hopper
+fast path's kernels (``fast path`` in the name). Out, LSE, the
 dropout bytes and every gradient must meet FlashAttention's criterion against the float64
 reference (run on the CPU, outside the sanitizer), else the script exits 1. Add
 ``--error-exitcode 1`` for sanitizer findings to fail the run too. Run it once without the
@@ -94,6 +95,12 @@ def build_cases() -> list[Case]:
               pad_q=[140, 65], pad_k=[259, 210], mask="b", dropout_p=0.2, seed=5, offset=6),
         group("group [65,130]/[70,129] h2 d32 fp32 alibi window dropout", [65, 130], [70, 129], 2, 2, 32, 32, F32,
               13, mask="b:16,4", alibi_slopes=slopes2, dropout_p=0.1, seed=7, offset=8),
+        # The Hopper fast path's kernels (on other devices these run the portable ones): TMA
+        # boxes past ragged ends, a single row, GQA in the forward.
+        batch("fast path b2 s259 h4 d128 bf16", 2, 259, 259, 4, 4, 128, 128, BF16, 14),
+        batch("fast path b1 s1 h2 d64 fp16 causal", 1, 1, 1, 2, 2, 64, 64, F16, 15, mask="t"),
+        batch("fast path b1 s333 h2 d64 bf16 causal", 1, 333, 333, 2, 2, 64, 64, BF16, 16, mask="b"),
+        batch("fast path b3 s200 h6:2 d256 fp16 causal", 3, 200, 200, 6, 2, 256, 256, F16, 17, mask="b"),
     ]
 
 

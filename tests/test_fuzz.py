@@ -4,8 +4,10 @@ The H200 runs the same generator at full size: ``python -m fmha.fuzz --examples 
 """
 
 import pytest
+import torch
 
-from fmha import fuzz
+from fmha import fuzz, hopper
+from fmha.inputs import check_inputs
 
 EXAMPLES = 40
 
@@ -53,3 +55,21 @@ def test_worker_processes_split_the_examples_and_sum_the_results(device):
     lines = []
     failed = fuzz.run_in_workers(4, seed=2026, max_len=24, device=device, first=3, jobs=2, log=lines.append)
     assert failed == 0 and lines[-1].startswith("4/4 examples passed (seed 2026, max length 24")
+
+
+def test_fast_path_cases_are_what_the_hopper_path_takes():
+    cases = [fuzz.random_case(seed=2026, index=i, max_len=48, fast_path=True) for i in range(EXAMPLES)]
+    for case in cases:
+        q, k, v, _, kwargs = fuzz._problem(case, "cpu", torch.Generator().manual_seed(0))
+        assert hopper._problem_reason(check_inputs(q, k, v, **kwargs), hopper.HOPPER_FWD_CONFIGS) is None, \
+            case.describe()
+    assert {c.head_dim_q for c in cases} == {64, 128, 256} and {c.dtype for c in cases} == {"fp16", "bf16"}
+    assert {c.mask for c in cases} == {None, "t", "b"} and any(c.nhead_q != c.nhead_k for c in cases)
+    assert {c.layout for c in cases} == {"bshd", "bhsd", "strided"} and any(c.seqlen_q == 1 for c in cases)
+
+
+def test_a_fast_path_problem_matches_reference(device):
+    """One fast-path example end to end (the portable kernels run it off Hopper, the fast path on it)."""
+    case = next(c for c in (fuzz.random_case(seed=2026, index=i, max_len=24, fast_path=True) for i in range(EXAMPLES))
+                if c.head_dim_q == 64 and c.seqlen_q > 1)
+    assert fuzz.run_case(case, device) == [], case.describe()

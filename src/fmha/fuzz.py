@@ -10,11 +10,16 @@ output and LSE must meet FlashAttention's criterion (``fmha.testing``) against t
 reference, the gradients against the float64 gradients of SPEC.md §6 (which read D from the
 forward's stored O, as CK and FlashAttention do). Example ``i`` of seed ``s`` is reproducible on
 its own: ``--seed s --first i --examples 1``.
+
+``--fast-path`` draws only problems the Hopper fast path takes (``fmha.hopper``): batch mode,
+``seqlen_q == seqlen_k``, no mask or a causal one, head dims 64/128/256, fp16/bf16, no bias, ALiBi
+or dropout; GQA ratios, layouts, ``dout`` strides and both backward modes stay random.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import re
@@ -28,6 +33,7 @@ import torch
 
 from . import reference
 from .api import attention, attention_varlen
+from .configs import HOPPER_FWD_CONFIGS
 from .testing import d_rounding_term, error_bound, max_error, prefix_sums, random_tensor, random_varlen
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -85,8 +91,9 @@ def _mask(rng: random.Random, max_len: int) -> str | None:
     return rng.choice([None, "t", "b", f"t:{left},{right}", f"b:{left},{right}"])
 
 
-def random_case(seed: int, index: int, max_len: int) -> Case:
-    """Example ``index`` of the stream ``seed`` (independent of the other examples)."""
+def random_case(seed: int, index: int, max_len: int, fast_path: bool = False) -> Case:
+    """Example ``index`` of the stream ``seed`` (independent of the other examples); with
+    ``fast_path``, narrowed to the problems the Hopper fast path takes."""
     rng = random.Random(seed * 1_000_003 + index)
     group = rng.random() < 0.4
     batch = rng.randint(1, 3)
@@ -122,7 +129,7 @@ def random_case(seed: int, index: int, max_len: int) -> Case:
     bias_shape = rng.choice(bias_shapes)
     if bias_shape is not None and 0 in bias_shape:
         bias_shape = None
-    return Case(
+    case = Case(
         index=index, group=group, lengths_q=lengths_q, lengths_k=lengths_k, slots_q=slots_q, slots_k=slots_k,
         key_lengths_override=key_override, seqlen_q=seqlen_q, seqlen_k=seqlen_k, effective=effective,
         nhead_q=nhead_q, nhead_k=nhead_k, head_dim_q=head_dim_q, head_dim_v=head_dim_v,
@@ -130,6 +137,16 @@ def random_case(seed: int, index: int, max_len: int) -> Case:
         alibi=rng.choice(["none", "none", "h", "bh"]), dropout_p=rng.choice([0.0, 0.0, 0.2, 0.5]),
         layout=rng.choice(["bshd", "bhsd", "strided"]), dout_layout=rng.choice(["bshd", "bhsd", "strided"]),
         deterministic=rng.random() < 0.5, seed=rng.randrange(2**63), offset=rng.randrange(2**40),
+    )
+    if not fast_path:
+        return case
+    seqlen = rng.choice([1, rng.randint(2, max_len), rng.randint(2, max_len)])
+    head_dim = rng.choice(list(HOPPER_FWD_CONFIGS))
+    return dataclasses.replace(
+        case, group=False, lengths_q=[seqlen] * batch, lengths_k=[seqlen] * batch, slots_q=None, slots_k=None,
+        key_lengths_override=False, seqlen_q=seqlen, seqlen_k=seqlen, effective=False, head_dim_q=head_dim,
+        head_dim_v=head_dim, dtype=rng.choice(["fp16", "bf16"]), mask=rng.choice([None, "t", "b"]),
+        bias_shape=None, alibi="none", dropout_p=0.0,
     )
 
 
@@ -266,7 +283,7 @@ def _context_lost() -> bool:
 
 
 def run(examples: int, seed: int, max_len: int, device: str, first: int = 0, seconds: float | None = None,
-        log=print) -> list[tuple[Case, list[str]]]:
+        log=print, fast_path: bool = False) -> list[tuple[Case, list[str]]]:
     """Run examples ``first .. first + examples - 1`` (stopping early after ``seconds``); returns
     the failing ones with their failures."""
     failed = []
@@ -276,7 +293,7 @@ def run(examples: int, seed: int, max_len: int, device: str, first: int = 0, sec
         if seconds is not None and time.time() - start > seconds:
             break
         done += 1
-        case = random_case(seed, index, max_len)
+        case = random_case(seed, index, max_len, fast_path)
         try:
             failures = run_case(case, device)
         except Exception as exc:  # a crash is a finding too; keep going
@@ -289,7 +306,8 @@ def run(examples: int, seed: int, max_len: int, device: str, first: int = 0, sec
                     f"resume with --first {index + 1}")
                 break
     ran = f"examples {first}-{first + done - 1}" if done else "no examples"
-    log(f"{done - len(failed)}/{done} examples passed (seed {seed}, max length {max_len}, "
+    kind = ", fast path" if fast_path else ""
+    log(f"{done - len(failed)}/{done} examples passed (seed {seed}, max length {max_len}{kind}, "
         f"{device}, {ran}, {time.time() - start:.0f} s)")
     return failed
 
@@ -306,7 +324,7 @@ def _merged(ranges: list[tuple[int, int]]) -> str:
 
 
 def run_in_workers(examples: int, seed: int, max_len: int, device: str, first: int, jobs: int,
-                   seconds: float | None = None, log=print) -> int:
+                   seconds: float | None = None, log=print, fast_path: bool = False) -> int:
     """``run`` split over ``jobs`` worker processes (``python -m fmha.fuzz`` on a slice each), which
     compile kernels in parallel and keep a lost CUDA context to one worker: that worker stops and a
     new one resumes after the example that lost it. Returns the number of failing examples."""
@@ -324,6 +342,8 @@ def run_in_workers(examples: int, seed: int, max_len: int, device: str, first: i
                         "--seed", str(seed), "--max-len", str(max_len), "--device", device]
                 if seconds is not None:
                     args += ["--seconds", str(max(0.0, seconds - (time.time() - start)))]
+                if fast_path:
+                    args.append("--fast-path")
                 out = open(os.path.join(logs, f"{lo}.log"), "w+")
                 running.append((subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, text=True), out, hi))
             time.sleep(0.2)
@@ -341,7 +361,8 @@ def run_in_workers(examples: int, seed: int, max_len: int, device: str, first: i
                     elif line.strip():
                         log(line)
                 out.close()
-    log(f"{passed}/{done} examples passed (seed {seed}, max length {max_len}, {device}, "
+    kind = ", fast path" if fast_path else ""
+    log(f"{passed}/{done} examples passed (seed {seed}, max length {max_len}{kind}, {device}, "
         f"{time.time() - start:.0f} s, {jobs} workers; examples {_merged(ranges)})")
     return done - passed
 
@@ -355,11 +376,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seconds", type=float, help="stop starting new examples after this long")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (each compiles its own kernels)")
+    parser.add_argument("--fast-path", action="store_true",
+                        help="only problems the Hopper fast path takes (fmha.hopper)")
     args = parser.parse_args(argv)
     if args.jobs > 1:
         return 1 if run_in_workers(args.examples, args.seed, args.max_len, args.device, args.first, args.jobs,
-                                   args.seconds) else 0
-    failed = run(args.examples, args.seed, args.max_len, args.device, args.first, args.seconds)
+                                   args.seconds, fast_path=args.fast_path) else 0
+    failed = run(args.examples, args.seed, args.max_len, args.device, args.first, args.seconds,
+                 fast_path=args.fast_path)
     return 1 if failed else 0
 
 

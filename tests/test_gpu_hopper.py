@@ -76,3 +76,32 @@ def test_forward_and_backward_against_reference(case):
     for name, got, exact, low in zip("qkv", grads, exact_grads, low_grads):
         assert torch.isfinite(got).all(), f"d{name}"
         assert max_error(got, exact) <= error_bound(dtype, max_error(low, exact)), f"d{name}"
+
+
+def test_logits_of_magnitude_1e4():
+    """Scores near 1e4 (max subtraction in log2 units must keep them finite), causal, d=64 bf16."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = random_qkv(1, 300, 300, 2, 2, 64, 64, dtype=torch.float32, generator=g)
+    q = (q * 12).to("cuda", torch.bfloat16)  # |q.k| up to about 1e4 at scale 1
+    k, v = k.to("cuda", torch.bfloat16), v.to("cuda", torch.bfloat16)
+    result = fmha.fwd(q, k, v, scale=1.0, mask="b", return_lse=True)
+    exact = fmha.reference.attention(q, k, v, scale=1.0, mask="b", compute_dtype=torch.float32)
+    low = fmha.reference.attention(q, k, v, scale=1.0, mask="b", compute_dtype=torch.bfloat16)
+    assert torch.isfinite(result.out).all() and torch.isfinite(result.lse).all()
+    assert max_error(result.out, exact.out) <= error_bound(torch.bfloat16, max_error(low.out, exact.out))
+    # fp32 dot products of magnitude 1e4 round at about 1e-3 (the reference's as well as fmha's)
+    assert max_error(result.lse, exact.lse) <= 0.05
+
+
+def test_nan_in_one_query_row_stays_in_that_row():
+    """Each query row is its own softmax: a NaN row leaves every other row bit for bit unchanged."""
+    q, k, v = random_qkv(2, 500, 500, 4, 4, 128, 128, dtype=torch.bfloat16, device="cuda",
+                         generator=torch.Generator().manual_seed(5))
+    clean = fmha.attention(q, k, v, mask="t")
+    q = q.clone()
+    q[1, 200, 3] = float("nan")
+    out = fmha.attention(q, k, v, mask="t")
+    assert torch.isnan(out[1, 200, 3]).all()
+    others = torch.ones(out.shape[:3], dtype=torch.bool, device="cuda")
+    others[1, 200, 3] = False
+    assert torch.equal(out[others], clean[others])

@@ -154,10 +154,14 @@ def check_bwd(dtype, dq, dv, features: str, deterministic: bool) -> list[Result]
                      launch.kernel, launch.grid, launch.kwargs) for launch in launches]
 
 
+def _hopper_name(dtype, head_dim: int, causal: bool) -> str:
+    return f"hopper {str(dtype).split('.')[-1]} d={head_dim} [{'causal' if causal else 'plain'}]"
+
+
 def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
     """The Hopper fast path's launches: the Gluon forward, and the backward's three kernels where
     the head dim has a backward config."""
-    prefix = f"hopper {str(dtype).split('.')[-1]} d={head_dim} [{'causal' if causal else 'plain'}]"
+    prefix = _hopper_name(dtype, head_dim, causal)
     q = torch.empty(2, 1000, 4, head_dim, dtype=dtype)  # a ragged length: nothing specializes on it
     k, v = torch.empty_like(q), torch.empty_like(q)
     inputs = check_inputs(q, k, v, mask="t" if causal else None)
@@ -211,10 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in (torch.float16, torch.bfloat16):
         for head_dim in HOPPER_FWD_CONFIGS:
             for causal in (False, True):
-                name = f"hopper {str(dtype).split('.')[-1]} d={head_dim} [{'causal' if causal else 'plain'}]"
-                if wanted(name):
-                    results += check_hopper(dtype, head_dim, causal)
-                    for res in results[-(4 if head_dim in HOPPER_BWD_CONFIGS else 1):]:
+                if wanted(_hopper_name(dtype, head_dim, causal)):
+                    checked = check_hopper(dtype, head_dim, causal)
+                    results += checked
+                    for res in checked:
                         _report(res)
     failed = [r for r in results if not (r.launches if args.allow_spills else r.ok)]
     limits = "shared memory" if args.allow_spills else "shared memory and without spills"

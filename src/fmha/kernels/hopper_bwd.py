@@ -247,26 +247,6 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_buf
     tma.store_wait(0)
 
 
-@gluon.jit
-def _consumer0(dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
-               dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, seqlen, H,
-               qk_scale, sm_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-               DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr):
-    _consumer(0, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
-              dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, seqlen, H,
-              qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)
-
-
-@gluon.jit
-def _consumer1(dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
-               dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, seqlen, H,
-               qk_scale, sm_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-               DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr):
-    _consumer(1, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
-              dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, seqlen, H,
-              qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)
-
-
 @gluon.jit(do_not_specialize=["seqlen", "H"])
 def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
                                 seqlen, H, qk_scale, sm_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -303,11 +283,12 @@ def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
         mbarrier.init(ds_ready.index(i), count=2)
         mbarrier.init(ds_empty.index(i), count=2)
 
+    # One partition per consumer warpgroup (first argument: its index), each with its own barrier.
     gl.warp_specialize([
-        (_consumer0, (dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
+        (_consumer, (0, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
                       dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, seqlen, H,
                       qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)),
-        (_consumer1, (dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
+        (_consumer, (1, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
                       dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, seqlen, H,
                       qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,

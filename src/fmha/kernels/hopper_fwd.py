@@ -183,32 +183,6 @@ def _consumer(WG: gl.constexpr, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs,
     tma.store_wait(0)
 
 
-# One function per consumer: each warp_specialize partition gets its own named barrier, so one
-# warpgroup's mbarrier arrive never waits on the other.
-@gluon.jit
-def _consumer0(q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-               seqlen, H, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-               STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    _consumer(0, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-              seqlen, H, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)
-
-
-@gluon.jit
-def _consumer1(q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-               seqlen, H, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-               STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    _consumer(1, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-              seqlen, H, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)
-
-
-@gluon.jit
-def _consumer2(q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-               seqlen, H, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-               STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    _consumer(2, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-              seqlen, H, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)
-
-
 # seqlen, H and kv_group are not specialized: one compile serves every shape of a config.
 @gluon.jit(do_not_specialize=["seqlen", "H", "kv_group"])
 def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen, H, kv_group, qk_scale,
@@ -235,24 +209,26 @@ def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen,
         mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
         mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
 
-    # The argument tuples stay inline: a tuple assigned to a local first turns its constexprs into
+    # Each consumer warpgroup is a partition of its own (the first argument is its index), so it
+    # gets its own named barrier and one warpgroup's mbarrier arrive never waits on another. The
+    # argument tuples stay inline: a tuple assigned to a local first turns its constexprs into
     # tensors, which then cannot build layouts.
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer0, (q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+            (_consumer, (0, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                           v_empty, seqlen, H, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-            (_consumer1, (q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+            (_consumer, (1, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                           v_empty, seqlen, H, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqlen, H, kv_group,
                          BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
-            (_consumer0, (q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+            (_consumer, (0, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                           v_empty, seqlen, H, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-            (_consumer1, (q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+            (_consumer, (1, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                           v_empty, seqlen, H, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-            (_consumer2, (q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+            (_consumer, (2, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                           v_empty, seqlen, H, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqlen, H, kv_group,
                          BLOCK_M, BLOCK_N, STAGES, CAUSAL)),

@@ -2,7 +2,10 @@
 for the problems they cover; everything else runs the portable Triton kernels.
 
 ``fwd_unsupported`` and ``bwd_unsupported`` return why a problem takes the portable path, or None
-when the fast path runs it. The Gluon modules are imported only when a launch needs them: Triton's
+when the fast path runs it: the kernels do not cover it, or (``configs``: ``min_seqlen*``) the
+portable kernels measured faster on such a problem. ``FMHA_PORTABLE=1`` turns the fast path off;
+``FMHA_PORTABLE=0`` runs it on everything its kernels cover, short sequences too (its tests and
+``fmha.fuzz --fast-path`` check the kernels that way). The Gluon modules are imported only when a launch needs them: Triton's
 interpreter has no Gluon.
 """
 
@@ -57,9 +60,26 @@ def _problem_reason(inputs: AttentionInputs, head_dims) -> str | None:
     return next((why for failed, why in checks if failed), None)
 
 
+def _slower_reason(inputs: AttentionInputs, min_seqlen: int, min_seqlen_causal: int) -> str | None:
+    """Why the portable kernels run a problem the fast path covers: they measured faster there."""
+    if os.environ.get("FMHA_PORTABLE") == "0":
+        return None
+    causal = inputs.mask.is_causal
+    shortest = min_seqlen_causal if causal else min_seqlen
+    if inputs.q.shape[1] < shortest:
+        kind = "causal " if causal else ""
+        return (f"d={inputs.head_dim_q} {kind}sequences under {shortest} tokens: the portable kernels "
+                "measured faster there (FMHA_PORTABLE=0 forces the fast path)")
+    return None
+
+
 def fwd_unsupported(inputs: AttentionInputs) -> str | None:
     """Why the Hopper forward does not run this problem, or None."""
-    return device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_FWD_CONFIGS)
+    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_FWD_CONFIGS)
+    if reason is None:
+        cfg = HOPPER_FWD_CONFIGS[inputs.head_dim_q]
+        reason = _slower_reason(inputs, cfg.min_seqlen, cfg.min_seqlen_causal)
+    return reason
 
 
 def bwd_unsupported(inputs: AttentionInputs, deterministic: bool) -> str | None:
@@ -69,6 +89,8 @@ def bwd_unsupported(inputs: AttentionInputs, deterministic: bool) -> str | None:
         reason = "deterministic mode (the fast path reduces dQ in arrival order)"
     if reason is None and inputs.nhead_q != inputs.nhead_k:
         reason = "GQA/MQA backward"
+    if reason is None:
+        reason = _slower_reason(inputs, 0, HOPPER_BWD_CONFIGS[inputs.head_dim_q].min_seqlen_causal)
     return reason
 
 
@@ -107,7 +129,7 @@ def fwd_launch(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
     batch, seqlen, nhead, head_dim = inputs.q.shape
     cfg = HOPPER_FWD_CONFIGS[head_dim]
     rows = ROWS_PER_CONSUMER.value
-    grid = (triton.cdiv(seqlen, rows * cfg.consumers), batch * nhead)
+    grid = (triton.cdiv(seqlen, rows * cfg.consumers) * batch * nhead,)
     kwargs = dict(
         q_desc=_desc(inputs.q, rows, head_dim), k_desc=_desc(inputs.k, cfg.block_n, head_dim),
         v_desc=_desc(inputs.v, cfg.block_n, head_dim), o_desc=_desc(out, rows, head_dim),
@@ -158,7 +180,7 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
     )
     convert = dict(Acc=dq_acc, DQ=dq, n=dq.numel(), scale=inputs.scale, BLOCK=CONVERT_BLOCK, num_warps=8)
     return [
-        (hopper_bwd_preprocess, (seqlen_pad // STAT_PAD, batch * nhead), preprocess),
-        (attention_bwd_hopper_kernel, (triton.cdiv(seqlen, BLOCK_N.value), batch * nhead), main),
+        (hopper_bwd_preprocess, (seqlen_pad // STAT_PAD * batch * nhead,), preprocess),
+        (attention_bwd_hopper_kernel, (triton.cdiv(seqlen, BLOCK_N.value) * batch * nhead,), main),
         (hopper_bwd_convert_dq, (triton.cdiv(dq.numel(), CONVERT_BLOCK),), convert),
     ]

@@ -51,10 +51,11 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 def hopper_bwd_preprocess(O, DO, Lse, NegDelta, NegLse, seqlen, seqlen_pad, H, inv_scale,
                           stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
                           HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    bh = tl.program_id(1)
+    blocks = seqlen_pad // BLOCK  # 1-D grid: grid y stops at 65535, less than batch * heads can be
+    bh = tl.program_id(0) // blocks
     b = bh // H
     h = bh % H
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rows = (tl.program_id(0) % blocks) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, HEAD_DIM)
     ok = rows < seqlen
     o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + rows[:, None].to(tl.int64) * stride_os
@@ -74,6 +75,16 @@ def hopper_bwd_convert_dq(Acc, DQ, n, scale, BLOCK: tl.constexpr):
     keep = offs < n
     acc = tl.load(Acc + offs, mask=keep, other=0.0)
     tl.store(DQ + offs, (acc * scale).to(DQ.dtype.element_ty), mask=keep)
+
+
+@gluon.jit
+def _this_program(seqlen, H):
+    """(batch, head, batch * H + head, first key). The grid is 1-D (grid y stops at 65535, less
+    than batch * heads can be), a head's key tiles adjacent so its Q/dO stay in L2."""
+    n_blocks = gl.cdiv(seqlen, BLOCK_N)
+    pid = gl.program_id(0)
+    bh = pid // n_blocks
+    return bh // H, bh % H, bh, (pid % n_blocks) * BLOCK_N
 
 
 @gluon.jit
@@ -98,10 +109,7 @@ def _query_tiles(n0, seqlen, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
 def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
               lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqlen, H,
               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    n0 = gl.program_id(0) * BLOCK_N
-    bh = gl.program_id(1)
-    b = bh // H
-    h = bh % H
+    b, h, bh, n0 = _this_program(seqlen, H)
     m_lo, m_mask_end, m_hi = _query_tiles(n0, seqlen, BLOCK_M, CAUSAL)
 
     # V as two 64-key halves: each is one warpgroup's operand and later its epilogue buffer.
@@ -212,10 +220,7 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_buf
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLS, 16])
 
-    n0 = gl.program_id(0) * BLOCK_N
-    bh = gl.program_id(1)
-    b = bh // H
-    h = bh % H
+    b, h, _, n0 = _this_program(seqlen, H)
     m_lo, m_mask_end, m_hi = _query_tiles(n0, seqlen, BLOCK_M, CAUSAL)
     keys = n0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, sT_layout))
 

@@ -43,10 +43,13 @@ def _key_tiles(m0, seqlen, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL:
 
 @gluon.jit
 def _this_program(seqlen, H, BLOCK_M: gl.constexpr):
-    """(batch, head, first query row). A head's query tiles run last-first: under a causal mask the
-    longest start first, and a full mask does not care."""
-    pid_m = gl.cdiv(seqlen, BLOCK_M) - 1 - gl.program_id(0)
-    bh = gl.program_id(1)
+    """(batch, head, first query row). The grid is 1-D (grid y stops at 65535, less than batch *
+    heads can be) with a head's query tiles adjacent, so its K/V stay in L2; they run last-first:
+    under a causal mask the longest start first, and a full mask does not care."""
+    n_m = gl.cdiv(seqlen, BLOCK_M)
+    pid = gl.program_id(0)
+    bh = pid // n_m
+    pid_m = n_m - 1 - pid % n_m
     return bh // H, bh % H, pid_m * BLOCK_M
 
 

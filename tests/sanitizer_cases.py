@@ -11,6 +11,10 @@ dropout bytes and every gradient must meet FlashAttention's criterion against th
 reference (run on the CPU, outside the sanitizer), else the script exits 1. Add
 ``--error-exitcode 1`` for sanitizer findings to fail the run too. Run it once without the
 sanitizer first: Triton then compiles the kernels into its cache, which is most of the time.
+
+``control`` as the only argument launches ``sanitizer_control.py``'s kernel, which holds nothing
+but ``gl.warp_specialize``: what racecheck reports there belongs to Triton's scaffolding, not to
+fmha's kernels.
 """
 
 import os
@@ -18,6 +22,9 @@ import os
 # memcheck only flags accesses outside cudaMalloc'd blocks: with PyTorch's caching allocator an
 # overrun into a neighbouring tensor of the same segment would pass unseen.
 os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+# The "fast path" cases are short: run them on the Hopper kernels, not on the portable ones that
+# fmha prefers for short d=64 causal sequences.
+os.environ.setdefault("FMHA_PORTABLE", "0")
 
 import sys  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -181,8 +188,26 @@ def run(case: Case, deterministic: bool, dout, exact, low) -> float:
     return worst
 
 
+def warp_specialize_control() -> int:
+    """Launches the scaffolding-only kernels (plain, with a default-partition barrier, with an
+    mbarrier handshake) over 264 CTAs each and checks what they stored."""
+    from sanitizer_control import warp_specialize_control_kernel
+
+    want = torch.cat([torch.ones(128), torch.full((32,), 2.0)]).cuda()
+    failed = 0
+    for barrier, handshake in [(False, False), (True, False), (False, True), (True, True)]:
+        out = torch.zeros(160, device="cuda")
+        warp_specialize_control_kernel[(264,)](out, BARRIER=barrier, MBARRIER=handshake, num_warps=4)
+        ok = torch.equal(out, want)
+        failed += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} warp_specialize control, barrier={barrier}, mbarrier={handshake}", flush=True)
+    return 1 if failed else 0
+
+
 def main(names: list[str]) -> int:
     """Runs every case, or those whose name contains one of ``names``."""
+    if names == ["control"]:
+        return warp_specialize_control()
     failed = passed = 0
     for case in build_cases():
         if names and not any(name in case.name for name in names):

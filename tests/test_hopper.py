@@ -51,3 +51,29 @@ def test_group_mode_is_left_to_the_portable_kernels():
 def test_portable_switch(monkeypatch):
     monkeypatch.setenv("FMHA_PORTABLE", "1")
     assert hopper.fwd_unsupported(_inputs()) == "FMHA_PORTABLE=1"
+
+
+def _on_cuda(monkeypatch):
+    """Pretend to be on a Hopper GPU: only the problem and speed checks remain."""
+    monkeypatch.setattr(hopper, "device_unsupported", lambda device: None)
+
+
+@pytest.mark.parametrize("seqlen, mask, portable", [(1024, None, True), (2048, None, False), (2048, "b", True),
+                                                    (4096, "t", False)])
+def test_short_d64_forwards_take_the_faster_portable_kernels(monkeypatch, seqlen, mask, portable):
+    _on_cuda(monkeypatch)
+    q = torch.empty(1, seqlen, 2, 64, dtype=torch.bfloat16)
+    reason = hopper.fwd_unsupported(check_inputs(q, q, q, mask=mask))
+    assert (reason is not None) == portable, reason
+    if portable:
+        assert reason.startswith("d=64 ") and "measured faster" in reason
+    monkeypatch.setenv("FMHA_PORTABLE", "0")
+    assert hopper.fwd_unsupported(check_inputs(q, q, q, mask=mask)) is None
+
+
+def test_short_d64_causal_backward_takes_the_portable_kernels(monkeypatch):
+    _on_cuda(monkeypatch)
+    short, long = (torch.empty(1, n, 2, 64, dtype=torch.bfloat16) for n in (1024, 2048))
+    assert "measured faster" in hopper.bwd_unsupported(check_inputs(short, short, short, mask="t"), False)
+    assert hopper.bwd_unsupported(check_inputs(short, short, short), False) is None
+    assert hopper.bwd_unsupported(check_inputs(long, long, long, mask="t"), False) is None

@@ -123,18 +123,25 @@ def bwd_config(dtype: torch.dtype, head_dim_q: int, head_dim_v: int, has_bias: b
 class HopperFwdConfig:
     """The Gluon Hopper forward: ``consumers`` warpgroups of 64 query rows, keys in ``block_n``
     tiles through a ``stages``-deep TMA ring; ``consumer_regs`` per consumer thread (setmaxnreg)
-    within the kernel-wide ``maxnreg``: (consumers + 1) * 128 threads * maxnreg <= 65536."""
+    within the kernel-wide ``maxnreg``: (consumers + 1) * 128 threads * maxnreg <= 65536.
+    Sequences shorter than ``min_seqlen`` (``min_seqlen_causal`` under a causal mask) run the
+    portable kernels, which measured faster there."""
 
     block_n: int
     stages: int
     consumers: int
     consumer_regs: int
     maxnreg: int
+    min_seqlen: int = 0
+    min_seqlen_causal: int = 0
 
 
 # head dim -> config (fp16 and bf16 alike); all compile for sm_90a without spills.
 HOPPER_FWD_CONFIGS: dict[int, HopperFwdConfig] = {
-    64: HopperFwdConfig(128, 3, 3, 160, 128),
+    # Graph replay, d=64, 16k tokens: at 1k the portable kernel 347 (causal 254) against 335 (153),
+    # at 2k 375 (causal 308) against 404 (261), at 4k causal 346 against 348. One CTA of 192 rows
+    # per SM pays its fill and drain on few key tiles; two portable CTAs per SM hide each other's.
+    64: HopperFwdConfig(128, 3, 3, 160, 128, min_seqlen=2048, min_seqlen_causal=4096),
     128: HopperFwdConfig(128, 2, 2, 240, 168),  # 623 TFLOP/s at s=16k (bf16)
     256: HopperFwdConfig(64, 2, 2, 240, 168),  # 718 at s=16k
 }
@@ -143,16 +150,19 @@ HOPPER_FWD_CONFIGS: dict[int, HopperFwdConfig] = {
 @dataclass(frozen=True)
 class HopperBwdConfig:
     """The Gluon Hopper backward: 128 keys per CTA in two consumer warpgroups, queries in
-    ``block_m`` tiles through a ``stages``-deep ring, ``ds_bufs`` shared dS tiles."""
+    ``block_m`` tiles through a ``stages``-deep ring, ``ds_bufs`` shared dS tiles. Sequences
+    shorter than ``min_seqlen_causal`` under a causal mask run the portable kernels."""
 
     block_m: int
     stages: int
     ds_bufs: int
     consumer_regs: int
     maxnreg: int
+    min_seqlen_causal: int = 0
 
 
 HOPPER_BWD_CONFIGS: dict[int, HopperBwdConfig] = {
-    64: HopperBwdConfig(128, 2, 2, 240, 168),  # 437 TFLOP/s at s=16k (bf16)
+    # d=64, 1k, causal: the portable atomic backward measured 186 TFLOP/s, this kernel 154.
+    64: HopperBwdConfig(128, 2, 2, 240, 168, min_seqlen_causal=2048),  # 437 TFLOP/s at s=16k (bf16)
     128: HopperBwdConfig(64, 2, 2, 240, 168),  # 475 at s=16k
 }

@@ -11,9 +11,10 @@ reference, the gradients against the float64 gradients of SPEC.md §6 (which rea
 forward's stored O, as CK and FlashAttention do). Example ``i`` of seed ``s`` is reproducible on
 its own: ``--seed s --first i --examples 1``.
 
-``--fast-path`` draws only problems the Hopper fast path takes (``fmha.hopper``): batch mode,
-``seqlen_q == seqlen_k``, no mask or a causal one, head dims 64/128/256, fp16/bf16, no bias, ALiBi
-or dropout; GQA ratios, layouts, ``dout`` strides and both backward modes stay random.
+``--fast-path`` draws only problems the Hopper fast path's kernels cover (``fmha.hopper``): batch
+mode, ``seqlen_q == seqlen_k``, no mask or a causal one, head dims 64/128/256, fp16/bf16, no bias,
+ALiBi or dropout; GQA ratios, layouts, ``dout`` strides and both backward modes stay random. It
+sets ``FMHA_PORTABLE=0``, so the short sequences it draws run those kernels too.
 """
 
 from __future__ import annotations
@@ -379,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fast-path", action="store_true",
                         help="only problems the Hopper fast path takes (fmha.hopper)")
     args = parser.parse_args(argv)
+    if args.fast_path:  # the workers inherit it
+        os.environ["FMHA_PORTABLE"] = "0"
     if args.jobs > 1:
         return 1 if run_in_workers(args.examples, args.seed, args.max_len, args.device, args.first, args.jobs,
                                    args.seconds, fast_path=args.fast_path) else 0

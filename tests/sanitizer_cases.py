@@ -23,7 +23,7 @@ import os
 # overrun into a neighbouring tensor of the same segment would pass unseen.
 os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
 # The "fast path" cases are short: run them on the Hopper kernels, not on the portable ones that
-# fmha prefers for short d=64 causal sequences.
+# fmha prefers for short d=64 forwards.
 os.environ.setdefault("FMHA_PORTABLE", "0")
 
 import sys  # noqa: E402

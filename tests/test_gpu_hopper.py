@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HOPPER, reason="needs a Ho
 @pytest.fixture(autouse=True)
 def fast_path_on_short_sequences(monkeypatch):
     """These shapes are short: check the Hopper kernels on them, not the portable ones fmha prefers
-    for short d=64 causal sequences."""
+    for short d=64 forwards."""
     monkeypatch.setenv("FMHA_PORTABLE", "0")
 
 # (batch, seqlen, nhead_q, nhead_k, head_dim, mask, dtype, layout)

@@ -71,9 +71,7 @@ def test_short_d64_forwards_take_the_faster_portable_kernels(monkeypatch, seqlen
     assert hopper.fwd_unsupported(check_inputs(q, q, q, mask=mask)) is None
 
 
-def test_short_d64_causal_backward_takes_the_portable_kernels(monkeypatch):
+def test_short_backward_stays_on_the_fast_path(monkeypatch):
     _on_cuda(monkeypatch)
-    short, long = (torch.empty(1, n, 2, 64, dtype=torch.bfloat16) for n in (1024, 2048))
-    assert "measured faster" in hopper.bwd_unsupported(check_inputs(short, short, short, mask="t"), False)
-    assert hopper.bwd_unsupported(check_inputs(short, short, short), False) is None
-    assert hopper.bwd_unsupported(check_inputs(long, long, long, mask="t"), False) is None
+    short = torch.empty(1, 1024, 2, 64, dtype=torch.bfloat16)
+    assert hopper.bwd_unsupported(check_inputs(short, short, short, mask="t"), False) is None

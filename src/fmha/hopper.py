@@ -2,8 +2,8 @@
 for the problems they cover; everything else runs the portable Triton kernels.
 
 ``fwd_unsupported`` and ``bwd_unsupported`` return why a problem takes the portable path, or None
-when the fast path runs it: the kernels do not cover it, or (``configs``: ``min_seqlen*``) the
-portable kernels measured faster on such a problem. ``FMHA_PORTABLE=1`` turns the fast path off;
+when the fast path runs it: its kernels do not cover it, or (the forward's ``min_seqlen*`` in
+``configs``) the portable kernels measured faster on such a problem. ``FMHA_PORTABLE=1`` turns the fast path off;
 ``FMHA_PORTABLE=0`` runs it on everything its kernels cover, short sequences too (its tests and
 ``fmha.fuzz --fast-path`` check the kernels that way). The Gluon modules are imported only when a launch needs them: Triton's
 interpreter has no Gluon.
@@ -89,8 +89,6 @@ def bwd_unsupported(inputs: AttentionInputs, deterministic: bool) -> str | None:
         reason = "deterministic mode (the fast path reduces dQ in arrival order)"
     if reason is None and inputs.nhead_q != inputs.nhead_k:
         reason = "GQA/MQA backward"
-    if reason is None:
-        reason = _slower_reason(inputs, 0, HOPPER_BWD_CONFIGS[inputs.head_dim_q].min_seqlen_causal)
     return reason
 
 

@@ -108,6 +108,7 @@ def build_cases() -> list[Case]:
         batch("fast path b1 s1 h2 d64 fp16 causal", 1, 1, 1, 2, 2, 64, 64, F16, 15, mask="t"),
         batch("fast path b1 s333 h2 d64 bf16 causal", 1, 333, 333, 2, 2, 64, 64, BF16, 16, mask="b"),
         batch("fast path b3 s200 h6:2 d256 fp16 causal", 3, 200, 200, 6, 2, 256, 256, F16, 17, mask="b"),
+        batch("fast path b2 s259 h2 d256 bf16 causal", 2, 259, 259, 2, 2, 256, 256, BF16, 18, mask="t"),
     ]
 
 

@@ -147,6 +147,9 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
         STAT_PAD,
         WG_KEYS,
         attention_bwd_hopper_kernel,
+        WIDE_BLOCK_M,
+        WIDE_KEYS,
+        attention_bwd_hopper_wide_kernel,
         hopper_bwd_convert_dq,
         hopper_bwd_preprocess,
     )
@@ -163,8 +166,24 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
         O=out, DO=dout, Lse=lse, NegDelta=neg_delta, NegLse=neg_lse, seqlen=seqlen, seqlen_pad=seqlen_pad,
         H=nhead, inv_scale=1.0 / inputs.scale, stride_ob=out.stride(0), stride_os=out.stride(1),
         stride_oh=out.stride(2), stride_dob=dout.stride(0), stride_dos=dout.stride(1),
-        stride_doh=dout.stride(2), HEAD_DIM=head_dim, BLOCK=STAT_PAD, num_warps=8,
+        stride_doh=dout.stride(2), HEAD_DIM=head_dim, BLOCK=STAT_PAD, num_warps=8 if head_dim <= 128 else 16,
     )
+    convert = dict(Acc=dq_acc, DQ=dq, n=dq.numel(), scale=inputs.scale, BLOCK=CONVERT_BLOCK, num_warps=8)
+    if head_dim == 256:  # the head-dim-split kernel: 64 keys per CTA
+        wide = dict(
+            q_desc=_desc(q, WIDE_BLOCK_M.value, head_dim), k_desc=_desc(inputs.k, WIDE_KEYS.value, head_dim),
+            v_desc=_desc(inputs.v, WIDE_KEYS.value, head_dim), do_desc=_desc(dout, WIDE_BLOCK_M.value, head_dim),
+            dq_desc=_desc(dq_acc, WIDE_BLOCK_M.value, cfg.dq_cols, swizzle=False), dk_ptr=dk, dv_ptr=dv,
+            neg_lse_ptr=neg_lse, neg_delta_ptr=neg_delta, seqlen=seqlen, seqlen_pad=seqlen_pad, H=nhead,
+            qk_scale=inputs.scale * LOG2E, sm_scale=inputs.scale, HEAD_DIM=head_dim, STAGES=cfg.stages,
+            DQ_COLS=cfg.dq_cols, CONSUMER_REGS=cfg.consumer_regs, CAUSAL=inputs.mask.is_causal, num_warps=4,
+            maxnreg=cfg.maxnreg,
+        )
+        return [
+            (hopper_bwd_preprocess, (seqlen_pad // STAT_PAD * batch * nhead,), preprocess),
+            (attention_bwd_hopper_wide_kernel, (triton.cdiv(seqlen, WIDE_KEYS.value) * batch * nhead,), wide),
+            (hopper_bwd_convert_dq, (triton.cdiv(dq.numel(), CONVERT_BLOCK),), convert),
+        ]
     dq_cols = head_dim if cfg.block_m == 128 else head_dim // 2
     main = dict(
         q_desc=_desc(q, cfg.block_m, head_dim), k_desc=_desc(inputs.k, BLOCK_N.value, head_dim),
@@ -176,7 +195,6 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
         STAGES=cfg.stages, DS_BUFS=cfg.ds_bufs, CONSUMER_REGS=cfg.consumer_regs,
         CAUSAL=inputs.mask.is_causal, num_warps=4, maxnreg=cfg.maxnreg,
     )
-    convert = dict(Acc=dq_acc, DQ=dq, n=dq.numel(), scale=inputs.scale, BLOCK=CONVERT_BLOCK, num_warps=8)
     return [
         (hopper_bwd_preprocess, (seqlen_pad // STAT_PAD * batch * nhead,), preprocess),
         (attention_bwd_hopper_kernel, (triton.cdiv(seqlen, BLOCK_N.value) * batch * nhead,), main),

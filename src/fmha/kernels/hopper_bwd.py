@@ -300,3 +300,191 @@ def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                      lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqlen, H, BLOCK_M,
                      STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, 24])
+
+
+# Head dim 256. Two [64, 256] fp32 accumulators per warpgroup would need 256 registers a thread,
+# so the warpgroups split the head dim instead of the keys (FlashAttention-3's hdim-256 layout):
+# one CTA per 64 keys; each warpgroup computes S = Q K^T and dP = dO V^T for 32 of them (queries on
+# M, N = 32), both halves of P^T and dS^T meet in shared memory, and each warpgroup then owns 128
+# head-dim columns of dV += P^T dO, dK += dS^T Q and dQ = dS K (dQ in DQ_COLS-wide pieces).
+WIDE_KEYS = gl.constexpr(64)  # keys per CTA
+WIDE_WG_KEYS = gl.constexpr(32)  # keys of S and dP per warpgroup
+WIDE_BLOCK_M = gl.constexpr(64)  # queries per step
+
+
+@gluon.jit
+def _wide_program(seqlen, H):
+    """(batch, head, batch * H + head, first key) of a 1-D grid, a head's key tiles adjacent."""
+    n_blocks = gl.cdiv(seqlen, WIDE_KEYS)
+    pid = gl.program_id(0)
+    bh = pid // n_blocks
+    return bh // H, bh % H, bh, (pid % n_blocks) * WIDE_KEYS
+
+
+@gluon.jit
+def _wide_producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty,
+                   do_ready, do_empty, seqlen, H, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    b, h, bh, n0 = _wide_program(seqlen, H)
+    m_lo = 0
+    if CAUSAL:
+        m_lo = n0 // WIDE_BLOCK_M
+    m_hi = gl.cdiv(seqlen, WIDE_BLOCK_M)
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, n0, h, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [b, n0, h, 0], kv_bar, v_smem)
+    for m in range(m_lo, m_hi):
+        it = m - m_lo
+        s = it % STAGES
+        ph = ((it // STAGES) & 1) ^ 1  # a fresh mbarrier passes a wait on parity 1 at once
+        mbarrier.wait(q_empty.index(s), ph)
+        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, m * WIDE_BLOCK_M, h, 0], q_ready.index(s), q_bufs.index(s))
+        mbarrier.wait(do_empty.index(s), ph)
+        mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [b, m * WIDE_BLOCK_M, h, 0], do_ready.index(s), do_bufs.index(s))
+
+
+@gluon.jit
+def _wide_consumer(WG: gl.constexpr, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_delta_ptr, k_smem, v_smem, q_bufs,
+                   do_bufs, pT_smem, dsT_smem, dq_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, pds_ready,
+                   pds_empty, seqlen, seqlen_pad, H, qk_scale, sm_scale, HEAD_DIM: gl.constexpr,
+                   STAGES: gl.constexpr, DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr):
+    dtype: gl.constexpr = q_bufs.dtype
+    BLOCK_M: gl.constexpr = WIDE_BLOCK_M
+    COLS: gl.constexpr = HEAD_DIM // 2  # this warpgroup's head-dim columns of dK, dV, dQ
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, WIDE_WG_KEYS, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, COLS, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_COLS, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    b, h, bh, n0 = _wide_program(seqlen, H)
+    m_hi = gl.cdiv(seqlen, BLOCK_M)
+    m_lo = 0
+    if CAUSAL:
+        m_lo = n0 // BLOCK_M
+        m_mask_end = gl.minimum(gl.cdiv(n0 + WIDE_KEYS - 1, BLOCK_M), m_hi)
+    else:
+        m_mask_end = 0
+        if n0 + WIDE_KEYS > seqlen:
+            m_mask_end = m_hi
+    keys = n0 + WG * WIDE_WG_KEYS + gl.arange(0, WIDE_WG_KEYS, layout=gl.SliceLayout(0, s_layout))
+    stats = neg_lse_ptr + bh.to(gl.int64) * seqlen_pad
+    deltas = neg_delta_ptr + bh.to(gl.int64) * seqlen_pad
+
+    mbarrier.wait(kv_bar, 0)
+    k_full = k_smem.reshape([WIDE_KEYS, HEAD_DIM])
+    k_t = k_full.slice(WG * WIDE_WG_KEYS, WIDE_WG_KEYS, dim=0).permute((1, 0))
+    v_t = v_smem.reshape([WIDE_KEYS, HEAD_DIM]).slice(WG * WIDE_WG_KEYS, WIDE_WG_KEYS, dim=0).permute((1, 0))
+    dq_smem = dq_bufs.index(WG)
+
+    dk = gl.zeros([WIDE_KEYS, COLS], gl.float32, kv_layout)
+    dv = gl.zeros([WIDE_KEYS, COLS], gl.float32, kv_layout)
+    for m in range(m_lo, m_hi):
+        it = m - m_lo
+        s = it % STAGES
+        ph = (it // STAGES) & 1
+        m0 = m * BLOCK_M
+        rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
+        # Row statistics straight from global memory (padded rows: -lse = -inf, -delta = 0); the
+        # loads run under the S wgmma.
+        neg_lse = gl.load(stats + rows)
+        neg_delta = gl.load(deltas + rows)
+
+        mbarrier.wait(q_ready.index(s), ph)
+        q_s = q_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
+        qk = warpgroup_mma(q_s, k_t, gl.zeros([BLOCK_M, WIDE_WG_KEYS], gl.float32, s_layout), use_acc=False,
+                           is_async=True)
+        mbarrier.wait(do_ready.index(s), ph)
+        do_s = do_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
+        dp = warpgroup_mma(do_s, v_t, gl.zeros([BLOCK_M, WIDE_WG_KEYS], gl.float32, s_layout), use_acc=False,
+                           is_async=True)
+        qk = warpgroup_mma_wait(1, deps=[qk])  # S done; dP may still run under the exp2
+        p = gl.exp2((qk + neg_lse[:, None]) * qk_scale)
+        if m < m_mask_end:  # uniform branch: diagonal tiles, or every tile of a ragged key tile
+            keep = keys[None, :] < seqlen
+            if CAUSAL:
+                keep = keep & (keys[None, :] <= rows[:, None])
+            p = gl.where(keep, p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=[dp])
+        ds = p * (dp + neg_delta[:, None])
+
+        # This warpgroup's 32 keys of P^T and dS^T into the shared [64 keys, 64 queries] tiles,
+        # once both dQ/dK/dV wgmma of the previous step (both warpgroups) have read them.
+        mbarrier.wait(pds_empty.index(0), (it & 1) ^ 1)
+        pT_smem.slice(WG * WIDE_WG_KEYS, WIDE_WG_KEYS, dim=0).store(gl.permute(p.to(dtype), (1, 0)))
+        dsT_smem.slice(WG * WIDE_WG_KEYS, WIDE_WG_KEYS, dim=0).store(gl.permute(ds.to(dtype), (1, 0)))
+        fence_async_shared()
+        mbarrier.arrive(pds_ready.index(0))
+        mbarrier.wait(pds_ready.index(0), it & 1)
+
+        dv = warpgroup_mma(pT_smem, do_s.slice(WG * COLS, COLS, dim=1), dv, is_async=True)
+        dk = warpgroup_mma(dsT_smem, q_s.slice(WG * COLS, COLS, dim=1), dk, is_async=True)
+        ds_full = dsT_smem.permute((1, 0))
+        for piece in gl.static_range(COLS // DQ_COLS):
+            dq = warpgroup_mma(ds_full, k_full.slice(WG * COLS + piece * DQ_COLS, DQ_COLS, dim=1),
+                               gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout), use_acc=False, is_async=True)
+            if piece == 0:
+                dv, dk = warpgroup_mma_wait(1, deps=[dv, dk])  # dO and Q no longer read: free the slot
+                mbarrier.arrive(do_empty.index(s))
+                mbarrier.arrive(q_empty.index(s))
+            dq = warpgroup_mma_wait(0, deps=[dq])
+            if piece == COLS // DQ_COLS - 1:
+                mbarrier.arrive(pds_empty.index(0))
+            tma.store_wait(0)  # the previous reduction has read dq_smem
+            dq_smem.reshape([BLOCK_M, DQ_COLS]).store(dq)
+            fence_async_shared()
+            _tma_reduce_add(dq_desc, [b, m0, h, WG * COLS + piece * DQ_COLS], dq_smem)
+    tma.store_wait(0)
+
+    # Epilogue: dV and dK * scale from registers, rows past the sequence left out (once per CTA).
+    out_rows = n0 + gl.arange(0, WIDE_KEYS, layout=gl.SliceLayout(1, kv_layout))
+    out_cols = WG * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, kv_layout))
+    offs = ((b.to(gl.int64) * seqlen + out_rows)[:, None] * H + h) * HEAD_DIM + out_cols[None, :]
+    inside = (out_rows < seqlen)[:, None]
+    gl.store(dv_ptr + offs, dv.to(dtype), mask=inside)
+    gl.store(dk_ptr + offs, (dk * sm_scale).to(dtype), mask=inside)
+
+
+@gluon.jit(do_not_specialize=["seqlen", "seqlen_pad", "H"])
+def attention_bwd_hopper_wide_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, dv_ptr, neg_lse_ptr,
+                                     neg_delta_ptr, seqlen, seqlen_pad, H, qk_scale, sm_scale,
+                                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DQ_COLS: gl.constexpr,
+                                     CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr):
+    dtype: gl.constexpr = q_desc.dtype
+    t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WIDE_KEYS, WIDE_BLOCK_M], dtype)
+    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    pT_smem = gl.allocate_shared_memory(dtype, [WIDE_KEYS, WIDE_BLOCK_M], t_layout)
+    dsT_smem = gl.allocate_shared_memory(dtype, [WIDE_KEYS, WIDE_BLOCK_M], t_layout)
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    pds_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    pds_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # one arrive per consumer warpgroup
+        mbarrier.init(do_empty.index(i), count=2)
+    mbarrier.init(pds_ready.index(0), count=2)
+    mbarrier.init(pds_empty.index(0), count=2)
+
+    gl.warp_specialize([
+        (_wide_consumer, (0, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_delta_ptr, k_smem, v_smem, q_bufs, do_bufs,
+                          pT_smem, dsT_smem, dq_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, pds_ready,
+                          pds_empty, seqlen, seqlen_pad, H, qk_scale, sm_scale, HEAD_DIM, STAGES, DQ_COLS, CAUSAL)),
+        (_wide_consumer, (1, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_delta_ptr, k_smem, v_smem, q_bufs, do_bufs,
+                          pT_smem, dsT_smem, dq_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, pds_ready,
+                          pds_empty, seqlen, seqlen_pad, H, qk_scale, sm_scale, HEAD_DIM, STAGES, DQ_COLS, CAUSAL)),
+        (_wide_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty,
+                          do_ready, do_empty, seqlen, H, STAGES, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, 24])

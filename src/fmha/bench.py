@@ -219,12 +219,14 @@ PROVIDERS: dict[str, Callable] = {
 def _environment() -> dict:
     import triton
 
-    # A copy of the tree without .git (a remote GPU machine) names its commit in FMHA_COMMIT.
+    # The commit, "-dirty" when the files differ from it (a copy of an edited tree on a remote GPU
+    # machine); FMHA_COMMIT names it where there is no .git.
     commit = os.environ.get("FMHA_COMMIT", "")
     if not commit:
         try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+            commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
+                                    text=True, check=True,
+                                    cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
         except (OSError, subprocess.CalledProcessError):
             commit = "unknown"
     return {

@@ -45,7 +45,7 @@ def features() -> list[tuple[str, bool, str]]:
         ("masks, bias and dbias, ALiBi, dropout (CK's bytes), GQA/MQA, group mode", True, "yes"),
         ("deterministic backward", True, "bitwise repeatable, no workspace"),
         ("Hopper fast path (Gluon, warp-specialized)", hopper_off is None,
-         hopper_off or ("forward d 64/128/256, atomic backward d 64/128: fp16/bf16 batch mode, seqlen_q == "
+         hopper_off or ("forward and atomic backward d 64/128/256: fp16/bf16 batch mode, seqlen_q == "
                         "seqlen_k, no bias, ALiBi, dropout or window; the portable kernels take the rest")),
         ("TMA bulk dQ reduction (atomic backward)", gpu and cap >= (9, 0),
          "Hopper or newer" if gpu and cap >= (9, 0) else

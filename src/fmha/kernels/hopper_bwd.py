@@ -78,39 +78,50 @@ def hopper_bwd_convert_dq(Acc, DQ, n, scale, BLOCK: tl.constexpr):
 
 
 @gluon.jit
-def _this_program(seqlen, H):
-    """(batch, head, batch * H + head, first key). The grid is 1-D (grid y stops at 65535, less
-    than batch * heads can be), a head's key tiles adjacent so its Q/dO stay in L2."""
-    n_blocks = gl.cdiv(seqlen, BLOCK_N)
+def _this_program(seqlen, H, KEYS: gl.constexpr):
+    """(batch, head, batch * H + head, first key) of a CTA holding KEYS keys. The grid is 1-D
+    (grid y stops at 65535, less than batch * heads can be), a head's key tiles adjacent so its
+    Q/dO stay in L2."""
+    n_blocks = gl.cdiv(seqlen, KEYS)
     pid = gl.program_id(0)
     bh = pid // n_blocks
-    return bh // H, bh % H, bh, (pid % n_blocks) * BLOCK_N
+    return bh // H, bh % H, bh, (pid % n_blocks) * KEYS
 
 
 @gluon.jit
-def _query_tiles(n0, seqlen, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """(m_lo, m_mask_end, m_hi) in query tiles for the key tile at n0: tiles [m_lo, m_mask_end)
+def _query_tiles(n0, seqlen, BLOCK_M: gl.constexpr, KEYS: gl.constexpr, CAUSAL: gl.constexpr):
+    """(m_lo, m_mask_end, m_hi) in query tiles for the KEYS keys from n0: tiles [m_lo, m_mask_end)
     need the mask (causal diagonal, or all tiles of a ragged key tile), the rest none."""
     m_hi = gl.cdiv(seqlen, BLOCK_M)
     if CAUSAL:
         m_lo = n0 // BLOCK_M
-        # some key > some row iff the tile's first row < n0 + BLOCK_N - 1; a ragged key tile is
+        # some key > some row iff the tile's first row < n0 + KEYS - 1; a ragged key tile is
         # the last, whose mask range then reaches m_hi anyway
-        m_mask_end = gl.minimum(gl.cdiv(n0 + BLOCK_N - 1, BLOCK_M), m_hi)
+        m_mask_end = gl.minimum(gl.cdiv(n0 + KEYS - 1, BLOCK_M), m_hi)
     else:
         m_lo = 0
         m_mask_end = 0
-        if n0 + BLOCK_N > seqlen:
+        if n0 + KEYS > seqlen:
             m_mask_end = m_hi
     return m_lo, m_mask_end, m_hi
+
+
+@gluon.jit
+def _init_rings(q_ready, q_empty, do_ready, do_empty, STAGES: gl.constexpr):
+    """The Q and dO rings' barriers: ready by the producer's TMA, empty by both consumers."""
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # one arrive per consumer warpgroup
+        mbarrier.init(do_empty.index(i), count=2)
 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
               lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqlen, H,
               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    b, h, bh, n0 = _this_program(seqlen, H)
-    m_lo, m_mask_end, m_hi = _query_tiles(n0, seqlen, BLOCK_M, CAUSAL)
+    b, h, bh, n0 = _this_program(seqlen, H, BLOCK_N)
+    m_lo, m_mask_end, m_hi = _query_tiles(n0, seqlen, BLOCK_M, BLOCK_N, CAUSAL)
 
     # V as two 64-key halves: each is one warpgroup's operand and later its epilogue buffer.
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
@@ -220,8 +231,8 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_buf
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLS, 16])
 
-    b, h, _, n0 = _this_program(seqlen, H)
-    m_lo, m_mask_end, m_hi = _query_tiles(n0, seqlen, BLOCK_M, CAUSAL)
+    b, h, _, n0 = _this_program(seqlen, H, BLOCK_N)
+    m_lo, m_mask_end, m_hi = _query_tiles(n0, seqlen, BLOCK_M, BLOCK_N, CAUSAL)
     keys = n0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, sT_layout))
 
     mbarrier.wait(kv_bar, 0)
@@ -279,11 +290,7 @@ def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     ds_ready = gl.allocate_shared_memory(gl.int64, [DS_BUFS, 1], mbarrier.MBarrierLayout())
     ds_empty = gl.allocate_shared_memory(gl.int64, [DS_BUFS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # one arrive per consumer warpgroup
-        mbarrier.init(do_empty.index(i), count=2)
+    _init_rings(q_ready, q_empty, do_ready, do_empty, STAGES)
     for i in gl.static_range(DS_BUFS):
         mbarrier.init(ds_ready.index(i), count=2)
         mbarrier.init(ds_empty.index(i), count=2)
@@ -313,22 +320,10 @@ WIDE_BLOCK_M = gl.constexpr(64)  # queries per step
 
 
 @gluon.jit
-def _wide_program(seqlen, H):
-    """(batch, head, batch * H + head, first key) of a 1-D grid, a head's key tiles adjacent."""
-    n_blocks = gl.cdiv(seqlen, WIDE_KEYS)
-    pid = gl.program_id(0)
-    bh = pid // n_blocks
-    return bh // H, bh % H, bh, (pid % n_blocks) * WIDE_KEYS
-
-
-@gluon.jit
 def _wide_producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty,
                    do_ready, do_empty, seqlen, H, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    b, h, bh, n0 = _wide_program(seqlen, H)
-    m_lo = 0
-    if CAUSAL:
-        m_lo = n0 // WIDE_BLOCK_M
-    m_hi = gl.cdiv(seqlen, WIDE_BLOCK_M)
+    b, h, bh, n0 = _this_program(seqlen, H, WIDE_KEYS)
+    m_lo, _, m_hi = _query_tiles(n0, seqlen, WIDE_BLOCK_M, WIDE_KEYS, CAUSAL)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, n0, h, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [b, n0, h, 0], kv_bar, v_smem)
@@ -360,16 +355,8 @@ def _wide_consumer(WG: gl.constexpr, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_d
                                                         instr_shape=[16, DQ_COLS, 16])
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    b, h, bh, n0 = _wide_program(seqlen, H)
-    m_hi = gl.cdiv(seqlen, BLOCK_M)
-    m_lo = 0
-    if CAUSAL:
-        m_lo = n0 // BLOCK_M
-        m_mask_end = gl.minimum(gl.cdiv(n0 + WIDE_KEYS - 1, BLOCK_M), m_hi)
-    else:
-        m_mask_end = 0
-        if n0 + WIDE_KEYS > seqlen:
-            m_mask_end = m_hi
+    b, h, bh, n0 = _this_program(seqlen, H, WIDE_KEYS)
+    m_lo, m_mask_end, m_hi = _query_tiles(n0, seqlen, BLOCK_M, WIDE_KEYS, CAUSAL)
     keys = n0 + WG * WIDE_WG_KEYS + gl.arange(0, WIDE_WG_KEYS, layout=gl.SliceLayout(0, s_layout))
     stats = neg_lse_ptr + bh.to(gl.int64) * seqlen_pad
     deltas = neg_delta_ptr + bh.to(gl.int64) * seqlen_pad
@@ -470,11 +457,7 @@ def attention_bwd_hopper_wide_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, d
     pds_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     pds_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # one arrive per consumer warpgroup
-        mbarrier.init(do_empty.index(i), count=2)
+    _init_rings(q_ready, q_empty, do_ready, do_empty, STAGES)
     mbarrier.init(pds_ready.index(0), count=2)
     mbarrier.init(pds_empty.index(0), count=2)
 

@@ -3,10 +3,10 @@ for the problems they cover; everything else runs the portable Triton kernels.
 
 ``fwd_unsupported`` and ``bwd_unsupported`` return why a problem takes the portable path, or None
 when the fast path runs it: its kernels do not cover it, or (the forward's ``min_seqlen*`` in
-``configs``) the portable kernels measured faster on such a problem. ``FMHA_PORTABLE=1`` turns the fast path off;
-``FMHA_PORTABLE=0`` runs it on everything its kernels cover, short sequences too (its tests and
-``fmha.fuzz --fast-path`` check the kernels that way). The Gluon modules are imported only when a launch needs them: Triton's
-interpreter has no Gluon.
+``configs``) the portable kernels measured faster on such a problem. ``FMHA_PORTABLE=1`` turns
+the fast path off; ``FMHA_PORTABLE=0`` runs it on everything its kernels cover, short sequences
+too (its tests and ``fmha.fuzz --fast-path`` check the kernels that way). The Gluon modules are
+imported only when a launch needs them: Triton's interpreter has no Gluon.
 """
 
 from __future__ import annotations
@@ -146,9 +146,9 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
         BLOCK_N,
         STAT_PAD,
         WG_KEYS,
-        attention_bwd_hopper_kernel,
         WIDE_BLOCK_M,
         WIDE_KEYS,
+        attention_bwd_hopper_kernel,
         attention_bwd_hopper_wide_kernel,
         hopper_bwd_convert_dq,
         hopper_bwd_preprocess,
@@ -179,24 +179,22 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
             DQ_COLS=cfg.dq_cols, CONSUMER_REGS=cfg.consumer_regs, CAUSAL=inputs.mask.is_causal, num_warps=4,
             maxnreg=cfg.maxnreg,
         )
-        return [
-            (hopper_bwd_preprocess, (seqlen_pad // STAT_PAD * batch * nhead,), preprocess),
-            (attention_bwd_hopper_wide_kernel, (triton.cdiv(seqlen, WIDE_KEYS.value) * batch * nhead,), wide),
-            (hopper_bwd_convert_dq, (triton.cdiv(dq.numel(), CONVERT_BLOCK),), convert),
-        ]
-    dq_cols = head_dim if cfg.block_m == 128 else head_dim // 2
-    main = dict(
-        q_desc=_desc(q, cfg.block_m, head_dim), k_desc=_desc(inputs.k, BLOCK_N.value, head_dim),
-        v_desc=_desc(inputs.v, WG_KEYS.value, head_dim), do_desc=_desc(dout, cfg.block_m, head_dim),
-        dk_desc=_desc(dk, WG_KEYS.value, head_dim), dv_desc=_desc(dv, WG_KEYS.value, head_dim),
-        dq_desc=_desc(dq_acc, 64, dq_cols, swizzle=False), lse_desc=_stat_desc(neg_lse, cfg.block_m),
-        delta_desc=_stat_desc(neg_delta, cfg.block_m), seqlen=seqlen, H=nhead,
-        qk_scale=inputs.scale * LOG2E, sm_scale=inputs.scale, BLOCK_M=cfg.block_m, HEAD_DIM=head_dim,
-        STAGES=cfg.stages, DS_BUFS=cfg.ds_bufs, CONSUMER_REGS=cfg.consumer_regs,
-        CAUSAL=inputs.mask.is_causal, num_warps=4, maxnreg=cfg.maxnreg,
-    )
+        main = (attention_bwd_hopper_wide_kernel, (triton.cdiv(seqlen, WIDE_KEYS.value) * batch * nhead,), wide)
+    else:
+        dq_cols = head_dim if cfg.block_m == 128 else head_dim // 2
+        narrow = dict(
+            q_desc=_desc(q, cfg.block_m, head_dim), k_desc=_desc(inputs.k, BLOCK_N.value, head_dim),
+            v_desc=_desc(inputs.v, WG_KEYS.value, head_dim), do_desc=_desc(dout, cfg.block_m, head_dim),
+            dk_desc=_desc(dk, WG_KEYS.value, head_dim), dv_desc=_desc(dv, WG_KEYS.value, head_dim),
+            dq_desc=_desc(dq_acc, 64, dq_cols, swizzle=False), lse_desc=_stat_desc(neg_lse, cfg.block_m),
+            delta_desc=_stat_desc(neg_delta, cfg.block_m), seqlen=seqlen, H=nhead,
+            qk_scale=inputs.scale * LOG2E, sm_scale=inputs.scale, BLOCK_M=cfg.block_m, HEAD_DIM=head_dim,
+            STAGES=cfg.stages, DS_BUFS=cfg.ds_bufs, CONSUMER_REGS=cfg.consumer_regs,
+            CAUSAL=inputs.mask.is_causal, num_warps=4, maxnreg=cfg.maxnreg,
+        )
+        main = (attention_bwd_hopper_kernel, (triton.cdiv(seqlen, BLOCK_N.value) * batch * nhead,), narrow)
     return [
         (hopper_bwd_preprocess, (seqlen_pad // STAT_PAD * batch * nhead,), preprocess),
-        (attention_bwd_hopper_kernel, (triton.cdiv(seqlen, BLOCK_N.value) * batch * nhead,), main),
+        main,
         (hopper_bwd_convert_dq, (triton.cdiv(dq.numel(), CONVERT_BLOCK),), convert),
     ]

@@ -5,7 +5,9 @@ row, padded to a multiple of 128 rows (padding: delta 0, lse +inf, so P = 0 ther
 loop needs no query bound); ``attention_bwd_hopper_kernel`` (Gluon); ``hopper_bwd_convert_dq``
 (Triton) scales the fp32 dQ accumulator into dQ.
 
-Main kernel: one CTA per (128-key tile, batch * head), roles by ``gl.warp_specialize``:
+Main kernel at head dims 64/128 (at 256, ``attention_bwd_hopper_wide_kernel`` below splits the
+head dim between the warpgroups instead): one CTA per (128-key tile, batch * head), roles by
+``gl.warp_specialize``:
 
 * a producer warp loads K and V once by TMA, then streams Q_i with its -lse slice and dO_i with its
   -delta slice through a ``STAGES``-deep ring;

@@ -167,5 +167,5 @@ class HopperBwdConfig:
 HOPPER_BWD_CONFIGS: dict[int, HopperBwdConfig] = {
     64: HopperBwdConfig(128, 2, 2, 240, 168),  # 437 TFLOP/s at s=16k (bf16)
     128: HopperBwdConfig(64, 2, 2, 240, 168),  # 475 at s=16k
-    256: HopperBwdConfig(64, 2, 1, 240, 168, dq_cols=32),
+    256: HopperBwdConfig(64, 2, 1, 240, 168, dq_cols=32),  # one P/dS tile pair (ds_bufs 1); 308 at s=16k
 }

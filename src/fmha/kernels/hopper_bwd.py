@@ -318,14 +318,14 @@ def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
 # head-dim columns of dV += P^T dO, dK += dS^T Q and dQ = dS K (dQ in DQ_COLS-wide pieces).
 WIDE_KEYS = gl.constexpr(64)  # keys per CTA
 WIDE_WG_KEYS = gl.constexpr(32)  # keys of S and dP per warpgroup
-WIDE_BLOCK_M = gl.constexpr(64)  # queries per step
 
 
 @gluon.jit
 def _wide_producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty,
-                   do_ready, do_empty, seqlen, H, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                   do_ready, do_empty, seqlen, H, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr):
     b, h, bh, n0 = _this_program(seqlen, H, WIDE_KEYS)
-    m_lo, _, m_hi = _query_tiles(n0, seqlen, WIDE_BLOCK_M, WIDE_KEYS, CAUSAL)
+    m_lo, _, m_hi = _query_tiles(n0, seqlen, BLOCK_M, WIDE_KEYS, CAUSAL)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, n0, h, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [b, n0, h, 0], kv_bar, v_smem)
@@ -335,19 +335,18 @@ def _wide_producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_b
         ph = ((it // STAGES) & 1) ^ 1  # a fresh mbarrier passes a wait on parity 1 at once
         mbarrier.wait(q_empty.index(s), ph)
         mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, m * WIDE_BLOCK_M, h, 0], q_ready.index(s), q_bufs.index(s))
+        tma.async_copy_global_to_shared(q_desc, [b, m * BLOCK_M, h, 0], q_ready.index(s), q_bufs.index(s))
         mbarrier.wait(do_empty.index(s), ph)
         mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [b, m * WIDE_BLOCK_M, h, 0], do_ready.index(s), do_bufs.index(s))
+        tma.async_copy_global_to_shared(do_desc, [b, m * BLOCK_M, h, 0], do_ready.index(s), do_bufs.index(s))
 
 
 @gluon.jit
 def _wide_consumer(WG: gl.constexpr, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_delta_ptr, k_smem, v_smem, q_bufs,
                    do_bufs, pT_smem, dsT_smem, dq_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, pds_ready,
-                   pds_empty, seqlen, seqlen_pad, H, qk_scale, sm_scale, HEAD_DIM: gl.constexpr,
-                   STAGES: gl.constexpr, DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr):
+                   pds_empty, seqlen, seqlen_pad, H, qk_scale, sm_scale, BLOCK_M: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr):
     dtype: gl.constexpr = q_bufs.dtype
-    BLOCK_M: gl.constexpr = WIDE_BLOCK_M
     COLS: gl.constexpr = HEAD_DIM // 2  # this warpgroup's head-dim columns of dK, dV, dQ
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, WIDE_WG_KEYS, 16])
@@ -443,13 +442,15 @@ def attention_bwd_hopper_wide_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, d
                                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DQ_COLS: gl.constexpr,
                                      CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
-    t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WIDE_KEYS, WIDE_BLOCK_M], dtype)
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]  # queries per step: the config's block_m
+    gl.static_assert(BLOCK_M == 64)  # one m64 wgmma of S and dP per warpgroup
+    t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WIDE_KEYS, BLOCK_M], dtype)
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-    pT_smem = gl.allocate_shared_memory(dtype, [WIDE_KEYS, WIDE_BLOCK_M], t_layout)
-    dsT_smem = gl.allocate_shared_memory(dtype, [WIDE_KEYS, WIDE_BLOCK_M], t_layout)
+    pT_smem = gl.allocate_shared_memory(dtype, [WIDE_KEYS, BLOCK_M], t_layout)
+    dsT_smem = gl.allocate_shared_memory(dtype, [WIDE_KEYS, BLOCK_M], t_layout)
     dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -466,10 +467,12 @@ def attention_bwd_hopper_wide_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, d
     gl.warp_specialize([
         (_wide_consumer, (0, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_delta_ptr, k_smem, v_smem, q_bufs, do_bufs,
                           pT_smem, dsT_smem, dq_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, pds_ready,
-                          pds_empty, seqlen, seqlen_pad, H, qk_scale, sm_scale, HEAD_DIM, STAGES, DQ_COLS, CAUSAL)),
+                          pds_empty, seqlen, seqlen_pad, H, qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DQ_COLS,
+                          CAUSAL)),
         (_wide_consumer, (1, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_delta_ptr, k_smem, v_smem, q_bufs, do_bufs,
                           pT_smem, dsT_smem, dq_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, pds_ready,
-                          pds_empty, seqlen, seqlen_pad, H, qk_scale, sm_scale, HEAD_DIM, STAGES, DQ_COLS, CAUSAL)),
+                          pds_empty, seqlen, seqlen_pad, H, qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DQ_COLS,
+                          CAUSAL)),
         (_wide_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty,
-                          do_ready, do_empty, seqlen, H, STAGES, CAUSAL)),
+                          do_ready, do_empty, seqlen, H, BLOCK_M, STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, 24])

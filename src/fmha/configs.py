@@ -45,7 +45,18 @@ def head_dim_block(head_dim: int) -> int:
 
 
 # Feature-specific forward rows, looked up first (see feature_row): (dtype kind, bucket, feature).
-FWD_FEATURE_CONFIGS: dict[tuple[str, int, str], TileConfig] = {}
+# The bias tile and the dropout bytes spill the plain rows' registers (2.4-9.7 KB at d=128/64);
+# bf16, s=16k, TFLOP/s against the plain row in the same sweep (benchmarks/tune_fwd.py).
+FWD_FEATURE_CONFIGS: dict[tuple[str, int, str], TileConfig] = {
+    ("half", 64, "bias"): TileConfig(128, 64, 8, 3),  # 102
+    ("half", 64, "dropout"): TileConfig(128, 64, 8, 3),  # 65
+    ("half", 64, "bias+dropout"): TileConfig(128, 64, 8, 3),  # 43
+    ("half", 128, "bias"): TileConfig(128, 32, 8, 3),  # 105 against 67
+    ("half", 128, "bias+dropout"): TileConfig(128, 32, 8, 3),  # 74 against 48
+    ("half", 256, "bias"): TileConfig(128, 32, 8, 2),  # 129
+    ("half", 256, "dropout"): TileConfig(128, 32, 8, 2),  # 169
+    ("half", 256, "bias+dropout"): TileConfig(128, 16, 8, 2),  # 100 against 90 at (128, 32)
+}
 
 
 def feature_row(table: dict, dtype: torch.dtype, bucket: int, has_bias: bool, has_dropout: bool):

@@ -41,6 +41,21 @@ def test_problems_it_leaves_to_the_portable_kernels(kwargs, reason):
     assert hopper._problem_reason(_inputs(**kwargs), hopper.HOPPER_FWD_CONFIGS) == reason
 
 
+@pytest.mark.parametrize("kwargs", [dict(alibi_slopes=torch.ones(4)), dict(mask="t:16,0"), dict(mask="b:1024,0"),
+                                    dict(mask="t", alibi_slopes=torch.ones(4))])
+def test_the_forward_also_takes_windows_and_alibi(kwargs):
+    assert hopper._problem_reason(_inputs(**kwargs), hopper.HOPPER_FWD_CONFIGS, windows_and_alibi=True) is None
+
+
+def test_causal_alibi_at_d64_is_left_to_the_portable_forward(monkeypatch):
+    _on_cuda(monkeypatch)
+    q = torch.empty(1, 4096, 2, 64, dtype=torch.bfloat16)
+    slopes = torch.ones(2)
+    assert hopper.fwd_unsupported(check_inputs(q, q, q, mask="t", alibi_slopes=slopes)) == \
+        "ALiBi under a causal mask at head dim 64"
+    assert hopper.fwd_unsupported(check_inputs(q, q, q, alibi_slopes=slopes)) is None
+
+
 def test_group_mode_is_left_to_the_portable_kernels():
     q = torch.empty(100, 4, 64, dtype=torch.bfloat16)
     starts = torch.tensor([0, 40, 100], dtype=torch.int32)

@@ -41,7 +41,9 @@ def device_unsupported(device: torch.device) -> str | None:
     return None
 
 
-def _problem_reason(inputs: AttentionInputs, head_dims) -> str | None:
+def _problem_reason(inputs: AttentionInputs, head_dims, windows_and_alibi: bool = False) -> str | None:
+    """Why the fast path's kernels do not cover a problem; the forward's (``windows_and_alibi``)
+    also take sliding windows and ALiBi."""
     q, k = inputs.q, inputs.k
     checks = [
         (q.dtype not in (torch.float16, torch.bfloat16), "fp16 and bf16 only"),
@@ -52,9 +54,10 @@ def _problem_reason(inputs: AttentionInputs, head_dims) -> str | None:
         (inputs.head_dim_q != inputs.head_dim_v or inputs.head_dim_q not in head_dims,
          f"head dims {sorted(head_dims)} with dq == dv only"),
         (inputs.bias is not None, "elementwise bias"),
-        (inputs.alibi_slopes is not None, "ALiBi"),
+        (inputs.alibi_slopes is not None and not windows_and_alibi, "ALiBi"),
         (inputs.dropout_p > 0, "dropout"),
-        (inputs.mask.type != MaskType.NONE and not inputs.mask.is_causal, "sliding-window mask"),
+        (inputs.mask.type != MaskType.NONE and not inputs.mask.is_causal and not windows_and_alibi,
+         "sliding-window mask"),
         (q.shape[1] == 0 or inputs.batch * inputs.nhead_q == 0, "empty problem"),
     ]
     return next((why for failed, why in checks if failed), None)
@@ -75,9 +78,11 @@ def _slower_reason(inputs: AttentionInputs, min_seqlen: int, min_seqlen_causal: 
 
 def fwd_unsupported(inputs: AttentionInputs) -> str | None:
     """Why the Hopper forward does not run this problem, or None."""
-    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_FWD_CONFIGS)
+    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_FWD_CONFIGS, True)
     if reason is None:
         cfg = HOPPER_FWD_CONFIGS[inputs.head_dim_q]
+        if inputs.alibi_slopes is not None and inputs.mask.is_causal and not cfg.causal_alibi:
+            return f"ALiBi under a causal mask at head dim {inputs.head_dim_q}"
         reason = _slower_reason(inputs, cfg.min_seqlen, cfg.min_seqlen_causal)
     return reason
 
@@ -124,17 +129,28 @@ def fwd_launch(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
     """(kernel, grid, kwargs) of the forward; ``out`` ``[B, S, H, D]``, ``lse`` ``[B, H, S]`` contiguous."""
     from .kernels.hopper_fwd import ROWS_PER_CONSUMER, attention_fwd_hopper_kernel
 
+    from .ops import alibi_mode
+
     batch, seqlen, nhead, head_dim = inputs.q.shape
     cfg = HOPPER_FWD_CONFIGS[head_dim]
     rows = ROWS_PER_CONSUMER.value
     grid = (triton.cdiv(seqlen, rows * cfg.consumers) * batch * nhead,)
+    mask = inputs.mask
+    # seqlen_q == seqlen_k here, so both corners align; an unbounded side reaches past every key.
+    window = mask.type != MaskType.NONE and not mask.is_causal
+    reach = 2 * seqlen
+    slopes = inputs.alibi_slopes
+    alibi_strides = (0, 0) if slopes is None else slopes.stride()  # [B, H], expanded over the batch
     kwargs = dict(
         q_desc=_desc(inputs.q, rows, head_dim), k_desc=_desc(inputs.k, cfg.block_n, head_dim),
         v_desc=_desc(inputs.v, cfg.block_n, head_dim), o_desc=_desc(out, rows, head_dim),
-        lse_ptr=lse, seqlen=seqlen, H=nhead, kv_group=inputs.nhead_q // inputs.nhead_k,
-        qk_scale=inputs.scale * LOG2E, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, STAGES=cfg.stages,
-        NUM_CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs, CAUSAL=inputs.mask.is_causal,
-        num_warps=4, maxnreg=cfg.maxnreg,
+        lse_ptr=lse, alibi_ptr=lse if slopes is None else slopes, seqlen=seqlen, H=nhead,
+        kv_group=inputs.nhead_q // inputs.nhead_k, qk_scale=inputs.scale * LOG2E,
+        left=reach if mask.left < 0 else min(mask.left, reach),
+        right=reach if mask.right < 0 else min(mask.right, reach),
+        stride_ab=alibi_strides[0], stride_ah=alibi_strides[1], BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
+        STAGES=cfg.stages, NUM_CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs, CAUSAL=mask.is_causal,
+        WINDOW=window, ALIBI=alibi_mode(inputs)[0], num_warps=4, maxnreg=cfg.maxnreg,
     )
     return attention_fwd_hopper_kernel, grid, kwargs
 

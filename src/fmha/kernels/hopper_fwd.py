@@ -13,6 +13,8 @@ One CTA holds ``64 * NUM_CONSUMERS`` query rows of one (batch, head). Warp roles
 q/k/v/out are addressed through 4-D TMA descriptors over ``[B, S, H, D]`` with their own strides and
 boxes ``[1, rows, 1, D]``: rows past the sequence are zero-filled on load and clipped on store,
 per batch, so ragged tiles need no bounds but the key mask. K/V heads are ``h // kv_group`` (GQA).
+A sliding window (``WINDOW``) runs only the key tiles of the CTA's band, masked at both edges;
+ALiBi (``ALIBI``) adds its term to the scaled scores.
 """
 
 from triton.experimental import gluon
@@ -29,16 +31,28 @@ ROWS_PER_CONSUMER = gl.constexpr(64)  # one m64 wgmma per consumer warpgroup
 
 
 @gluon.jit
-def _key_tiles(m0, seqlen, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """(n_tiles, n_unmasked) of the CTA whose first query row is m0: tiles [0, n_unmasked) need
-    no mask (every key < seqlen and, if causal, <= every row), the rest are masked."""
-    if CAUSAL:
-        n_tiles = gl.cdiv(gl.minimum(seqlen, m0 + BLOCK_M), BLOCK_N)
-        n_unmasked = gl.minimum(m0 // BLOCK_N, seqlen // BLOCK_N)
+def _key_tiles(m0, seqlen, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+               WINDOW: gl.constexpr):
+    """(first, inner_lo, inner_hi, end) key tiles of the CTA whose first query row is m0: it runs
+    tiles [first, end); those in [inner_lo, inner_hi) need no mask (every key < seqlen and in
+    every row's window), the others are masked. A window shows row i keys i - left .. i + right."""
+    if WINDOW:
+        last_row = gl.minimum(m0 + BLOCK_M, seqlen) - 1
+        first = gl.maximum(m0 - left, 0) // BLOCK_N
+        end = gl.cdiv(gl.minimum(last_row + right + 1, seqlen), BLOCK_N)
+        inner_lo = gl.cdiv(gl.maximum(last_row - left, 0), BLOCK_N)
+        inner_hi = gl.minimum(m0 + right + 1, seqlen) // BLOCK_N
+    elif CAUSAL:
+        first = 0
+        end = gl.cdiv(gl.minimum(seqlen, m0 + BLOCK_M), BLOCK_N)
+        inner_lo = 0
+        inner_hi = gl.minimum(m0 // BLOCK_N, seqlen // BLOCK_N)
     else:
-        n_tiles = gl.cdiv(seqlen, BLOCK_N)
-        n_unmasked = seqlen // BLOCK_N
-    return n_tiles, n_unmasked
+        first = 0
+        end = gl.cdiv(seqlen, BLOCK_N)
+        inner_lo = 0
+        inner_hi = seqlen // BLOCK_N
+    return first, inner_lo, inner_hi, end
 
 
 @gluon.jit
@@ -54,64 +68,90 @@ def _this_program(seqlen, H, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqlen, H, kv_group,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqlen, H, kv_group, left,
+              right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              WINDOW: gl.constexpr):
     b, h, m0 = _this_program(seqlen, H, BLOCK_M)
-    n_tiles, n_unmasked = _key_tiles(m0, seqlen, BLOCK_M, BLOCK_N, CAUSAL)
+    first, _, _, end = _key_tiles(m0, seqlen, left, right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     h_kv = h // kv_group
-    for j in range(n_tiles):
-        s = j % STAGES
-        # Use u = j // STAGES of slot s waits for the consumers' release of use u - 1; a fresh
+    for it in range(end - first):
+        s = it % STAGES
+        # Use u = it // STAGES of slot s waits for the consumers' release of use u - 1; a fresh
         # mbarrier counts as having completed the phase before its first, so u = 0 passes at once.
-        ph = ((j // STAGES) & 1) ^ 1
+        ph = ((it // STAGES) & 1) ^ 1
+        n0 = (first + it) * BLOCK_N
         mbarrier.wait(k_empty.index(s), ph)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, j * BLOCK_N, h_kv, 0], k_ready.index(s), k_bufs.index(s))
+        tma.async_copy_global_to_shared(k_desc, [b, n0, h_kv, 0], k_ready.index(s), k_bufs.index(s))
         mbarrier.wait(v_empty.index(s), ph)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, j * BLOCK_N, h_kv, 0], v_ready.index(s), v_bufs.index(s))
+        tma.async_copy_global_to_shared(v_desc, [b, n0, h_kv, 0], v_ready.index(s), v_bufs.index(s))
 
 
 @gluon.jit
-def _softmax_update(qk, m_i, l_i, kv0, rows, seqlen, qk_scale, s_layout: gl.constexpr,
-                    BLOCK_N: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+def _softmax_update(qk, m_i, l_i, kv0, rows, seqlen, qk_scale, left, right, slope, s_layout: gl.constexpr,
+                    BLOCK_N: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                    ALIBI: gl.constexpr):
     """Online softmax of one tile of raw q.k. m is in log2 units of the scaled scores, so
-    p = exp2(qk * qk_scale - m) is one FMA and one ex2 per element."""
+    p = exp2(qk * qk_scale - m) is one FMA and one ex2 per element. ALiBi (``slope`` in log2
+    units) adds -slope * |i - j| (ALIBI 1) or, under a causal mask, slope * j (ALIBI 2)."""
+    cols = kv0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    if ALIBI == 1:
+        scores = qk * qk_scale - slope * gl.abs(rows[:, None] - cols[None, :]).to(gl.float32)
+    elif ALIBI == 2:  # one term per column
+        scores = qk * qk_scale + (slope * cols.to(gl.float32))[None, :]
     if MASKED:
-        cols = kv0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         keep = cols[None, :] < seqlen
-        if CAUSAL:
+        if WINDOW:
+            rel = cols[None, :] - rows[:, None]
+            keep = keep & (rel >= -left) & (rel <= right)
+        elif CAUSAL:
             keep = keep & (cols[None, :] <= rows[:, None])
-        qk = gl.where(keep, qk, -float("inf"))
-    # Every row sees key 0 in tile 0, which comes first: m is finite from then on, and a later
-    # fully masked tile gives alpha = 1, p = 0, never NaN.
-    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(qk * qk_scale - m_new[:, None])
+        if ALIBI != 0:
+            scores = gl.where(keep, scores, -float("inf"))
+        else:
+            qk = gl.where(keep, qk, -float("inf"))
+    if ALIBI != 0:
+        m_new = gl.maximum(m_i, gl.max(scores, 1))
+    else:
+        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+    # Without a window every row sees key 0 in the first tile: m is finite from then on, and a
+    # later fully masked tile gives alpha = 1, p = 0. A window's first tiles can show a row
+    # nothing yet: exponentiate against 0 while its m is -inf.
+    m_use = m_new
+    if MASKED and WINDOW:
+        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    if ALIBI != 0:
+        p = gl.exp2(scores - m_use[:, None])
+    else:
+        p = gl.exp2(qk * qk_scale - m_use[:, None])
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_new, alpha
 
 
 @gluon.jit
-def _consumer_step(j, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, o_acc, p_op, m_i, l_i,
-                   rows, seqlen, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
+def _consumer_step(j, first, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, o_acc, p_op, m_i, l_i,
+                   rows, seqlen, qk_scale, left, right, slope, s_layout: gl.constexpr, o_layout: gl.constexpr,
                    p_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
-    """Key tile j >= 1: S_j = Q K_j^T beside O += P_{j-1} V_{j-1}, then the softmax of S_j."""
-    s = j % STAGES
-    sp = (j - 1) % STAGES
-    mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+                   STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                   ALIBI: gl.constexpr):
+    """Key tile j > first: S_j = Q K_j^T beside O += P_{j-1} V_{j-1}, then the softmax of S_j."""
+    it = j - first  # ring position
+    s = it % STAGES
+    sp = (it - 1) % STAGES
+    mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
     k_t = k_bufs.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
     qk = warpgroup_mma(q_tile, k_t, gl.zeros([ROWS_PER_CONSUMER, BLOCK_N], gl.float32, s_layout),
                        use_acc=False, is_async=True)
-    mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(sp), ((it - 1) // STAGES) & 1)
     o_acc = warpgroup_mma(p_op, v_bufs.index(sp).reshape([BLOCK_N, HEAD_DIM]), o_acc, is_async=True)
 
     # wgmma groups retire in order: at most one outstanding means S_j is done, PV may still run.
     qk = warpgroup_mma_wait(1, deps=[qk])
     mbarrier.arrive(k_empty.index(s))
-    p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, j * BLOCK_N, rows, seqlen, qk_scale, s_layout,
-                                         BLOCK_N, MASKED, CAUSAL)
+    p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, j * BLOCK_N, rows, seqlen, qk_scale, left, right, slope,
+                                         s_layout, BLOCK_N, MASKED, CAUSAL, WINDOW, ALIBI)
     o_acc, p_op = warpgroup_mma_wait(0, deps=[o_acc, p_op])
     mbarrier.arrive(v_empty.index(sp))
     o_acc = o_acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -121,8 +161,9 @@ def _consumer_step(j, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
-              v_ready, v_empty, seqlen, H, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+              v_ready, v_empty, seqlen, H, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr):
     ROWS: gl.constexpr = ROWS_PER_CONSUMER
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -134,9 +175,12 @@ def _consumer(WG: gl.constexpr, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs,
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     b, h, m0 = _this_program(seqlen, H, BLOCK_M)
-    n_tiles, n_unmasked = _key_tiles(m0, seqlen, BLOCK_M, BLOCK_N, CAUSAL)
+    first, inner_lo, inner_hi, end = _key_tiles(m0, seqlen, left, right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     row0 = m0 + WG * ROWS
     rows = row0 + gl.arange(0, ROWS, layout=row_layout)
+    slope = 0.0
+    if ALIBI != 0:  # in log2 units, like the scores
+        slope = gl.load(alibi_ptr + b * stride_ab + h * stride_ah) * 1.4426950408889634
 
     q_smem = q_bufs.index(WG)
     q_bar = q_bars.index(WG)
@@ -145,7 +189,7 @@ def _consumer(WG: gl.constexpr, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs,
     mbarrier.wait(q_bar, 0)
     q_tile = q_smem.reshape([ROWS, HEAD_DIM])
 
-    # Tile 0 is always masked: cheap, and it keeps both loops below uniform.
+    # The first tile is always masked: cheap, and it keeps the loops below uniform.
     mbarrier.wait(k_ready.index(0), 0)
     k_t = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
     qk = warpgroup_mma(q_tile, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False,
@@ -154,21 +198,32 @@ def _consumer(WG: gl.constexpr, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs,
     mbarrier.arrive(k_empty.index(0))
     m_i = gl.full([ROWS], -float("inf"), gl.float32, row_layout)
     l_i = gl.full([ROWS], 0.0, gl.float32, row_layout)
-    p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, 0, rows, seqlen, qk_scale, s_layout, BLOCK_N,
-                                         True, CAUSAL)
+    p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, first * BLOCK_N, rows, seqlen, qk_scale, left, right,
+                                         slope, s_layout, BLOCK_N, True, CAUSAL, WINDOW, ALIBI)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     o_acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
-    for j in range(1, n_unmasked):
-        o_acc, p_op, m_i, l_i = _consumer_step(j, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                                               o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, s_layout,
-                                               o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, False, CAUSAL)
-    for j in range(gl.maximum(n_unmasked, 1), n_tiles):
-        o_acc, p_op, m_i, l_i = _consumer_step(j, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                                               o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, s_layout,
-                                               o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, True, CAUSAL)
+    # Masked tiles before the unmasked interior (a window's left edge), the interior, masked after.
+    lo = gl.minimum(gl.maximum(inner_lo, first + 1), end)
+    hi = gl.minimum(gl.maximum(inner_hi, lo), end)
+    if WINDOW:
+        for j in range(first + 1, lo):
+            o_acc, p_op, m_i, l_i = _consumer_step(j, first, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+                                                   v_empty, o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left,
+                                                   right, slope, s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM,
+                                                   STAGES, True, CAUSAL, WINDOW, ALIBI)
+    for j in range(lo, hi):
+        o_acc, p_op, m_i, l_i = _consumer_step(j, first, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                                               o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left, right, slope,
+                                               s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, False,
+                                               CAUSAL, WINDOW, ALIBI)
+    for j in range(hi, end):
+        o_acc, p_op, m_i, l_i = _consumer_step(j, first, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                                               o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left, right, slope,
+                                               s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, True,
+                                               CAUSAL, WINDOW, ALIBI)
 
-    jl = n_tiles - 1
+    jl = end - 1 - first
     sl = jl % STAGES
     mbarrier.wait(v_ready.index(sl), (jl // STAGES) & 1)
     o_acc = warpgroup_mma(p_op, v_bufs.index(sl).reshape([BLOCK_N, HEAD_DIM]), o_acc, is_async=True)
@@ -186,12 +241,14 @@ def _consumer(WG: gl.constexpr, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs,
     tma.store_wait(0)
 
 
-# seqlen, H and kv_group are not specialized: one compile serves every shape of a config.
-@gluon.jit(do_not_specialize=["seqlen", "H", "kv_group"])
-def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen, H, kv_group, qk_scale,
-                                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                                NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                CAUSAL: gl.constexpr):
+# Lengths, head counts and window sizes are not specialized: one compile serves every shape of a
+# config. WINDOW: a sliding window of ``left`` keys back and ``right`` ahead (unbounded sides come
+# as 2 * seqlen); ALIBI: 0 none, 1 -slope * |i - j|, 2 slope * j (causal), slopes [B?, H] strided.
+@gluon.jit(do_not_specialize=["seqlen", "H", "kv_group", "left", "right", "stride_ab", "stride_ah"])
+def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, alibi_ptr, seqlen, H, kv_group, qk_scale,
+                                left, right, stride_ab, stride_ah, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                                STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr):
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3)
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * NUM_CONSUMERS
     dtype: gl.constexpr = q_desc.dtype
@@ -219,20 +276,25 @@ def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen,
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                          v_empty, seqlen, H, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+                          v_empty, seqlen, H, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M,
+                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI)),
             (_consumer, (1, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                          v_empty, seqlen, H, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+                          v_empty, seqlen, H, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M,
+                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqlen, H, kv_group,
-                         BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                         left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                          v_empty, seqlen, H, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+                          v_empty, seqlen, H, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M,
+                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI)),
             (_consumer, (1, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                          v_empty, seqlen, H, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+                          v_empty, seqlen, H, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M,
+                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI)),
             (_consumer, (2, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                          v_empty, seqlen, H, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+                          v_empty, seqlen, H, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M,
+                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqlen, H, kv_group,
-                         BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                         left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])

@@ -128,7 +128,6 @@ def _stat_desc(t: torch.Tensor, block_m: int):
 def fwd_launch(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
     """(kernel, grid, kwargs) of the forward; ``out`` ``[B, S, H, D]``, ``lse`` ``[B, H, S]`` contiguous."""
     from .kernels.hopper_fwd import ROWS_PER_CONSUMER, attention_fwd_hopper_kernel
-
     from .ops import alibi_mode
 
     batch, seqlen, nhead, head_dim = inputs.q.shape

@@ -27,6 +27,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .common import LN2, LOG2E
+
 ROWS_PER_CONSUMER = gl.constexpr(64)  # one m64 wgmma per consumer warpgroup
 
 
@@ -96,10 +98,15 @@ def _softmax_update(qk, m_i, l_i, kv0, rows, seqlen, qk_scale, left, right, slop
     p = exp2(qk * qk_scale - m) is one FMA and one ex2 per element. ALiBi (``slope`` in log2
     units) adds -slope * |i - j| (ALIBI 1) or, under a causal mask, slope * j (ALIBI 2)."""
     cols = kv0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    # Without ALiBi the scale stays in the exponent's FMA; with it the scores are scaled first.
+    scores = qk
+    scale = qk_scale
     if ALIBI == 1:
         scores = qk * qk_scale - slope * gl.abs(rows[:, None] - cols[None, :]).to(gl.float32)
+        scale = 1.0
     elif ALIBI == 2:  # one term per column
         scores = qk * qk_scale + (slope * cols.to(gl.float32))[None, :]
+        scale = 1.0
     if MASKED:
         keep = cols[None, :] < seqlen
         if WINDOW:
@@ -107,14 +114,8 @@ def _softmax_update(qk, m_i, l_i, kv0, rows, seqlen, qk_scale, left, right, slop
             keep = keep & (rel >= -left) & (rel <= right)
         elif CAUSAL:
             keep = keep & (cols[None, :] <= rows[:, None])
-        if ALIBI != 0:
-            scores = gl.where(keep, scores, -float("inf"))
-        else:
-            qk = gl.where(keep, qk, -float("inf"))
-    if ALIBI != 0:
-        m_new = gl.maximum(m_i, gl.max(scores, 1))
-    else:
-        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+        scores = gl.where(keep, scores, -float("inf"))
+    m_new = gl.maximum(m_i, gl.max(scores, 1) * scale)
     # Without a window every row sees key 0 in the first tile: m is finite from then on, and a
     # later fully masked tile gives alpha = 1, p = 0. A window's first tiles can show a row
     # nothing yet: exponentiate against 0 while its m is -inf.
@@ -122,10 +123,7 @@ def _softmax_update(qk, m_i, l_i, kv0, rows, seqlen, qk_scale, left, right, slop
     if MASKED and WINDOW:
         m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)
-    if ALIBI != 0:
-        p = gl.exp2(scores - m_use[:, None])
-    else:
-        p = gl.exp2(qk * qk_scale - m_use[:, None])
+    p = gl.exp2(scores * scale - m_use[:, None])
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_new, alpha
 
@@ -180,7 +178,7 @@ def _consumer(WG: gl.constexpr, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs,
     rows = row0 + gl.arange(0, ROWS, layout=row_layout)
     slope = 0.0
     if ALIBI != 0:  # in log2 units, like the scores
-        slope = gl.load(alibi_ptr + b * stride_ab + h * stride_ah) * 1.4426950408889634
+        slope = gl.load(alibi_ptr + b * stride_ab + h * stride_ah) * LOG2E
 
     q_smem = q_bufs.index(WG)
     q_bar = q_bars.index(WG)
@@ -233,7 +231,7 @@ def _consumer(WG: gl.constexpr, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs,
     # Epilogue: O / l and the natural-log LSE; O leaves through the Q buffer (its last reader,
     # the wgmma, has retired) and a TMA store that clips rows past the sequence.
     o_acc = o_acc * gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))[:, None]
-    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+    lse = (m_i + gl.log2(l_i)) * LN2
     gl.store(lse_ptr + (b * H + h).to(gl.int64) * seqlen + rows, lse, mask=rows < seqlen)
     q_tile.store(o_acc.to(dtype))
     fence_async_shared()

@@ -90,3 +90,9 @@ def test_short_backward_stays_on_the_fast_path(monkeypatch):
     _on_cuda(monkeypatch)
     short = torch.empty(1, 1024, 2, 64, dtype=torch.bfloat16)
     assert hopper.bwd_unsupported(check_inputs(short, short, short, mask="t"), False) is None
+
+
+@pytest.mark.parametrize("nhead_k", [1, 2])
+def test_gqa_and_mqa_backward_take_the_fast_path(monkeypatch, nhead_k):
+    _on_cuda(monkeypatch)
+    assert hopper.bwd_unsupported(_inputs(nhead_k=nhead_k), deterministic=False) is None

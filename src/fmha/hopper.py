@@ -92,8 +92,6 @@ def bwd_unsupported(inputs: AttentionInputs, deterministic: bool) -> str | None:
     reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_BWD_CONFIGS)
     if reason is None and deterministic:
         reason = "deterministic mode (the fast path reduces dQ in arrival order)"
-    if reason is None and inputs.nhead_q != inputs.nhead_k:
-        reason = "GQA/MQA backward"
     return reason
 
 
@@ -172,6 +170,10 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
     q = inputs.q
     batch, seqlen, nhead, head_dim = q.shape
     cfg = HOPPER_BWD_CONFIGS[head_dim]
+    # One CTA per key tile of each key/value head; it runs the query tiles of every query head
+    # of its group (GQA/MQA) with its K/V resident.
+    nhead_k = inputs.nhead_k
+    kv_group = nhead // nhead_k
     lse = lse.contiguous()
     seqlen_pad = triton.cdiv(seqlen, STAT_PAD) * STAT_PAD
     neg_delta = torch.empty((batch, nhead, seqlen_pad), dtype=torch.float32, device=q.device)
@@ -189,12 +191,13 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
             q_desc=_desc(q, cfg.block_m, head_dim), k_desc=_desc(inputs.k, WIDE_KEYS.value, head_dim),
             v_desc=_desc(inputs.v, WIDE_KEYS.value, head_dim), do_desc=_desc(dout, cfg.block_m, head_dim),
             dq_desc=_desc(dq_acc, cfg.block_m, cfg.dq_cols, swizzle=False), dk_ptr=dk, dv_ptr=dv,
-            neg_lse_ptr=neg_lse, neg_delta_ptr=neg_delta, seqlen=seqlen, seqlen_pad=seqlen_pad, H=nhead,
+            neg_lse_ptr=neg_lse, neg_delta_ptr=neg_delta, seqlen=seqlen, seqlen_pad=seqlen_pad, H=nhead_k,
+            kv_group=kv_group,
             qk_scale=inputs.scale * LOG2E, sm_scale=inputs.scale, HEAD_DIM=head_dim, STAGES=cfg.stages,
             DQ_COLS=cfg.dq_cols, CONSUMER_REGS=cfg.consumer_regs, CAUSAL=inputs.mask.is_causal, num_warps=4,
             maxnreg=cfg.maxnreg,
         )
-        main = (attention_bwd_hopper_wide_kernel, (triton.cdiv(seqlen, WIDE_KEYS.value) * batch * nhead,), wide)
+        main = (attention_bwd_hopper_wide_kernel, (triton.cdiv(seqlen, WIDE_KEYS.value) * batch * nhead_k,), wide)
     else:
         dq_cols = head_dim if cfg.block_m == 128 else head_dim // 2
         narrow = dict(
@@ -202,12 +205,12 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
             v_desc=_desc(inputs.v, WG_KEYS.value, head_dim), do_desc=_desc(dout, cfg.block_m, head_dim),
             dk_desc=_desc(dk, WG_KEYS.value, head_dim), dv_desc=_desc(dv, WG_KEYS.value, head_dim),
             dq_desc=_desc(dq_acc, 64, dq_cols, swizzle=False), lse_desc=_stat_desc(neg_lse, cfg.block_m),
-            delta_desc=_stat_desc(neg_delta, cfg.block_m), seqlen=seqlen, H=nhead,
+            delta_desc=_stat_desc(neg_delta, cfg.block_m), seqlen=seqlen, H=nhead_k, kv_group=kv_group,
             qk_scale=inputs.scale * LOG2E, sm_scale=inputs.scale, BLOCK_M=cfg.block_m, HEAD_DIM=head_dim,
             STAGES=cfg.stages, DS_BUFS=cfg.ds_bufs, CONSUMER_REGS=cfg.consumer_regs,
             CAUSAL=inputs.mask.is_causal, num_warps=4, maxnreg=cfg.maxnreg,
         )
-        main = (attention_bwd_hopper_kernel, (triton.cdiv(seqlen, BLOCK_N.value) * batch * nhead,), narrow)
+        main = (attention_bwd_hopper_kernel, (triton.cdiv(seqlen, BLOCK_N.value) * batch * nhead_k,), narrow)
     return [
         (hopper_bwd_preprocess, (seqlen_pad // STAT_PAD * batch * nhead,), preprocess),
         main,

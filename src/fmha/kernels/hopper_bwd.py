@@ -109,6 +109,15 @@ def _query_tiles(n0, seqlen, BLOCK_M: gl.constexpr, KEYS: gl.constexpr, CAUSAL: 
 
 
 @gluon.jit
+def _group_step(it, n_m, m_lo, h, bh, kv_group):
+    """(query tile, query head, batch * query heads + query head) of step ``it``: a CTA holds the
+    K/V of one key/value head and runs the n_m query tiles of each of its kv_group query heads
+    (GQA/MQA; 1 otherwise) in turn, so dK/dV sum over the group in registers."""
+    g = it // n_m
+    return m_lo + it % n_m, h * kv_group + g, bh * kv_group + g
+
+
+@gluon.jit
 def _init_rings(q_ready, q_empty, do_ready, do_empty, STAGES: gl.constexpr):
     """The Q and dO rings' barriers: ready by the producer's TMA, empty by both consumers."""
     for i in gl.static_range(STAGES):
@@ -120,7 +129,7 @@ def _init_rings(q_ready, q_empty, do_ready, do_empty, STAGES: gl.constexpr):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
-              lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqlen, H,
+              lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqlen, H, kv_group,
               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     b, h, bh, n0 = _this_program(seqlen, H, BLOCK_N)
     m_lo, m_mask_end, m_hi = _query_tiles(n0, seqlen, BLOCK_M, BLOCK_N, CAUSAL)
@@ -131,18 +140,19 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_s
     tma.async_copy_global_to_shared(v_desc, [b, n0, h, 0], kv_bar, v_smem.index(0))
     tma.async_copy_global_to_shared(v_desc, [b, n0 + WG_KEYS, h, 0], kv_bar, v_smem.index(1))
 
-    for m in range(m_lo, m_hi):
-        it = m - m_lo
+    n_m = m_hi - m_lo
+    for it in range(kv_group * n_m):
+        m, hq, bhq = _group_step(it, n_m, m_lo, h, bh, kv_group)
         s = it % STAGES
         ph = ((it // STAGES) & 1) ^ 1  # a fresh mbarrier passes a wait on parity 1 at once
         mbarrier.wait(q_empty.index(s), ph)
         mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, m * BLOCK_M, h, 0], q_ready.index(s), q_bufs.index(s))
-        tma.async_copy_global_to_shared(lse_desc, [bh, m * BLOCK_M], q_ready.index(s), lse_bufs.index(s))
+        tma.async_copy_global_to_shared(q_desc, [b, m * BLOCK_M, hq, 0], q_ready.index(s), q_bufs.index(s))
+        tma.async_copy_global_to_shared(lse_desc, [bhq, m * BLOCK_M], q_ready.index(s), lse_bufs.index(s))
         mbarrier.wait(do_empty.index(s), ph)
         mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [b, m * BLOCK_M, h, 0], do_ready.index(s), do_bufs.index(s))
-        tma.async_copy_global_to_shared(delta_desc, [bh, m * BLOCK_M], do_ready.index(s), delta_bufs.index(s))
+        tma.async_copy_global_to_shared(do_desc, [b, m * BLOCK_M, hq, 0], do_ready.index(s), do_bufs.index(s))
+        tma.async_copy_global_to_shared(delta_desc, [bhq, m * BLOCK_M], do_ready.index(s), delta_bufs.index(s))
 
 
 @gluon.jit
@@ -222,7 +232,7 @@ def _consumer_step(WG: gl.constexpr, it, m, m_mask_end, k_w, v_w, k_full, q_bufs
 @gluon.jit
 def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
               delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready,
-              ds_empty, seqlen, H, qk_scale, sm_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+              ds_empty, seqlen, H, kv_group, qk_scale, sm_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
               STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr):
     dtype: gl.constexpr = q_bufs.dtype
     sT_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -233,7 +243,7 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_buf
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLS, 16])
 
-    b, h, _, n0 = _this_program(seqlen, H, BLOCK_N)
+    b, h, bh, n0 = _this_program(seqlen, H, BLOCK_N)
     m_lo, m_mask_end, m_hi = _query_tiles(n0, seqlen, BLOCK_M, BLOCK_N, CAUSAL)
     keys = n0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, sT_layout))
 
@@ -246,10 +256,12 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_buf
 
     dk = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, kv_layout)
-    for m in range(m_lo, m_hi):
-        dk, dv = _consumer_step(WG, m - m_lo, m, m_mask_end, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs, dq_smem,
+    n_m = m_hi - m_lo
+    for it in range(kv_group * n_m):
+        m, hq, _ = _group_step(it, n_m, m_lo, h, bh, kv_group)
+        dk, dv = _consumer_step(WG, it, m, m_mask_end, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs, dq_smem,
                                 p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc, lse_bufs,
-                                delta_bufs, b, h, keys, seqlen, qk_scale, dk, dv, sT_layout, dq_layout,
+                                delta_bufs, b, hq, keys, seqlen, qk_scale, dk, dv, sT_layout, dq_layout,
                                 BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)
 
     # Epilogue through this warpgroup's V half: only its own dP^T wgmma read it, all retired.
@@ -265,9 +277,9 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_buf
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["seqlen", "H"])
+@gluon.jit(do_not_specialize=["seqlen", "H", "kv_group"])
 def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
-                                seqlen, H, qk_scale, sm_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                                seqlen, H, kv_group, qk_scale, sm_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                                 STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                 CAUSAL: gl.constexpr):
     gl.static_assert(BLOCK_M == 64 or BLOCK_M == 128)
@@ -301,13 +313,13 @@ def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     gl.warp_specialize([
         (_consumer, (0, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
                       dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, seqlen, H,
-                      qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)),
+                      kv_group, qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)),
         (_consumer, (1, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
                       dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, seqlen, H,
-                      qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)),
+                      kv_group, qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
-                     lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqlen, H, BLOCK_M,
-                     STAGES, CAUSAL)),
+                     lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqlen, H, kv_group,
+                     BLOCK_M, STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -322,29 +334,30 @@ WIDE_WG_KEYS = gl.constexpr(32)  # keys of S and dP per warpgroup
 
 @gluon.jit
 def _wide_producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty,
-                   do_ready, do_empty, seqlen, H, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                   do_ready, do_empty, seqlen, H, kv_group, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr):
     b, h, bh, n0 = _this_program(seqlen, H, WIDE_KEYS)
     m_lo, _, m_hi = _query_tiles(n0, seqlen, BLOCK_M, WIDE_KEYS, CAUSAL)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, n0, h, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [b, n0, h, 0], kv_bar, v_smem)
-    for m in range(m_lo, m_hi):
-        it = m - m_lo
+    n_m = m_hi - m_lo
+    for it in range(kv_group * n_m):
+        m, hq, _ = _group_step(it, n_m, m_lo, h, bh, kv_group)
         s = it % STAGES
         ph = ((it // STAGES) & 1) ^ 1  # a fresh mbarrier passes a wait on parity 1 at once
         mbarrier.wait(q_empty.index(s), ph)
         mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, m * BLOCK_M, h, 0], q_ready.index(s), q_bufs.index(s))
+        tma.async_copy_global_to_shared(q_desc, [b, m * BLOCK_M, hq, 0], q_ready.index(s), q_bufs.index(s))
         mbarrier.wait(do_empty.index(s), ph)
         mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [b, m * BLOCK_M, h, 0], do_ready.index(s), do_bufs.index(s))
+        tma.async_copy_global_to_shared(do_desc, [b, m * BLOCK_M, hq, 0], do_ready.index(s), do_bufs.index(s))
 
 
 @gluon.jit
 def _wide_consumer(WG: gl.constexpr, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_delta_ptr, k_smem, v_smem, q_bufs,
                    do_bufs, pT_smem, dsT_smem, dq_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, pds_ready,
-                   pds_empty, seqlen, seqlen_pad, H, qk_scale, sm_scale, BLOCK_M: gl.constexpr,
+                   pds_empty, seqlen, seqlen_pad, H, kv_group, qk_scale, sm_scale, BLOCK_M: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr):
     dtype: gl.constexpr = q_bufs.dtype
     COLS: gl.constexpr = HEAD_DIM // 2  # this warpgroup's head-dim columns of dK, dV, dQ
@@ -359,8 +372,6 @@ def _wide_consumer(WG: gl.constexpr, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_d
     b, h, bh, n0 = _this_program(seqlen, H, WIDE_KEYS)
     m_lo, m_mask_end, m_hi = _query_tiles(n0, seqlen, BLOCK_M, WIDE_KEYS, CAUSAL)
     keys = n0 + WG * WIDE_WG_KEYS + gl.arange(0, WIDE_WG_KEYS, layout=gl.SliceLayout(0, s_layout))
-    stats = neg_lse_ptr + bh.to(gl.int64) * seqlen_pad
-    deltas = neg_delta_ptr + bh.to(gl.int64) * seqlen_pad
 
     mbarrier.wait(kv_bar, 0)
     k_full = k_smem.reshape([WIDE_KEYS, HEAD_DIM])
@@ -370,16 +381,18 @@ def _wide_consumer(WG: gl.constexpr, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_d
 
     dk = gl.zeros([WIDE_KEYS, COLS], gl.float32, kv_layout)
     dv = gl.zeros([WIDE_KEYS, COLS], gl.float32, kv_layout)
-    for m in range(m_lo, m_hi):
-        it = m - m_lo
+    n_m = m_hi - m_lo
+    for it in range(kv_group * n_m):
+        m, hq, bhq = _group_step(it, n_m, m_lo, h, bh, kv_group)
         s = it % STAGES
         ph = (it // STAGES) & 1
         m0 = m * BLOCK_M
         rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
         # Row statistics straight from global memory (padded rows: -lse = -inf, -delta = 0); the
         # loads run under the S wgmma.
-        neg_lse = gl.load(stats + rows)
-        neg_delta = gl.load(deltas + rows)
+        stat_rows = bhq.to(gl.int64) * seqlen_pad + rows
+        neg_lse = gl.load(neg_lse_ptr + stat_rows)
+        neg_delta = gl.load(neg_delta_ptr + stat_rows)
 
         mbarrier.wait(q_ready.index(s), ph)
         q_s = q_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
@@ -424,7 +437,7 @@ def _wide_consumer(WG: gl.constexpr, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_d
             tma.store_wait(0)  # the previous reduction has read dq_smem
             dq_smem.reshape([BLOCK_M, DQ_COLS]).store(dq)
             fence_async_shared()
-            _tma_reduce_add(dq_desc, [b, m0, h, WG * COLS + piece * DQ_COLS], dq_smem)
+            _tma_reduce_add(dq_desc, [b, m0, hq, WG * COLS + piece * DQ_COLS], dq_smem)
     tma.store_wait(0)
 
     # Epilogue: dV and dK * scale from registers, rows past the sequence left out (once per CTA).
@@ -436,9 +449,9 @@ def _wide_consumer(WG: gl.constexpr, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_d
     gl.store(dk_ptr + offs, (dk * sm_scale).to(dtype), mask=inside)
 
 
-@gluon.jit(do_not_specialize=["seqlen", "seqlen_pad", "H"])
+@gluon.jit(do_not_specialize=["seqlen", "seqlen_pad", "H", "kv_group"])
 def attention_bwd_hopper_wide_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, dv_ptr, neg_lse_ptr,
-                                     neg_delta_ptr, seqlen, seqlen_pad, H, qk_scale, sm_scale,
+                                     neg_delta_ptr, seqlen, seqlen_pad, H, kv_group, qk_scale, sm_scale,
                                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DQ_COLS: gl.constexpr,
                                      CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
@@ -467,12 +480,12 @@ def attention_bwd_hopper_wide_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, d
     gl.warp_specialize([
         (_wide_consumer, (0, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_delta_ptr, k_smem, v_smem, q_bufs, do_bufs,
                           pT_smem, dsT_smem, dq_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, pds_ready,
-                          pds_empty, seqlen, seqlen_pad, H, qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DQ_COLS,
-                          CAUSAL)),
+                          pds_empty, seqlen, seqlen_pad, H, kv_group, qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES,
+                          DQ_COLS, CAUSAL)),
         (_wide_consumer, (1, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_delta_ptr, k_smem, v_smem, q_bufs, do_bufs,
                           pT_smem, dsT_smem, dq_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, pds_ready,
-                          pds_empty, seqlen, seqlen_pad, H, qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DQ_COLS,
-                          CAUSAL)),
+                          pds_empty, seqlen, seqlen_pad, H, kv_group, qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES,
+                          DQ_COLS, CAUSAL)),
         (_wide_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty,
-                          do_ready, do_empty, seqlen, H, BLOCK_M, STAGES, CAUSAL)),
+                          do_ready, do_empty, seqlen, H, kv_group, BLOCK_M, STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, 24])

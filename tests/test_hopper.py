@@ -44,7 +44,7 @@ def test_problems_it_leaves_to_the_portable_kernels(kwargs, reason):
 @pytest.mark.parametrize("kwargs", [dict(alibi_slopes=torch.ones(4)), dict(mask="t:16,0"), dict(mask="b:1024,0"),
                                     dict(mask="t", alibi_slopes=torch.ones(4))])
 def test_the_forward_also_takes_windows_and_alibi(kwargs):
-    assert hopper._problem_reason(_inputs(**kwargs), hopper.HOPPER_FWD_CONFIGS, windows_and_alibi=True) is None
+    assert hopper._problem_reason(_inputs(**kwargs), hopper.HOPPER_FWD_CONFIGS, forward=True) is None
 
 
 def test_causal_alibi_at_d64_is_left_to_the_portable_forward(monkeypatch):
@@ -56,11 +56,14 @@ def test_causal_alibi_at_d64_is_left_to_the_portable_forward(monkeypatch):
     assert hopper.fwd_unsupported(check_inputs(q, q, q, alibi_slopes=slopes)) is None
 
 
-def test_group_mode_is_left_to_the_portable_kernels():
+def test_group_mode_takes_the_fast_forward_when_queries_and_keys_share_their_sequences():
     q = torch.empty(100, 4, 64, dtype=torch.bfloat16)
     starts = torch.tensor([0, 40, 100], dtype=torch.int32)
     inputs = check_inputs(q, q, q, seqstart_q=starts, seqstart_k=starts)
-    assert hopper._problem_reason(inputs, hopper.HOPPER_FWD_CONFIGS) == "group (varlen) mode"
+    assert hopper._problem_reason(inputs, hopper.HOPPER_FWD_CONFIGS, forward=True) is None
+    assert hopper._problem_reason(inputs, hopper.HOPPER_FWD_CONFIGS) == "group (varlen) mode"  # the backward
+    other = check_inputs(q, q, q, seqstart_q=starts, seqstart_k=starts.clone())
+    assert hopper._problem_reason(other, hopper.HOPPER_FWD_CONFIGS, forward=True).startswith("group mode without")
 
 
 def test_portable_switch(monkeypatch):

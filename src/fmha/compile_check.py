@@ -159,9 +159,9 @@ def _hopper_name(dtype, head_dim: int, causal: bool) -> str:
 
 
 def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
-    """The Hopper fast path's launches: the Gluon forward (also with ALiBi, and without a causal
-    mask a sliding window with ALiBi), and the backward's three kernels where the head dim has a
-    backward config."""
+    """The Hopper fast path's launches: the Gluon forward (also with ALiBi, without a causal mask
+    a sliding window with ALiBi, and in group mode), and the backward's three kernels where the
+    head dim has a backward config."""
     prefix = _hopper_name(dtype, head_dim, causal)
     q = torch.empty(2, 1000, 4, head_dim, dtype=dtype)  # a ragged length: nothing specializes on it
     k, v = torch.empty_like(q), torch.empty_like(q)
@@ -173,6 +173,12 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
         with_alibi = check_inputs(q, k, v, mask="t" if causal else "b:100,0", alibi_slopes=torch.ones(4))
         kernel, grid, kwargs = hopper.fwd_launch(with_alibi, out, lse)
         results.append(_compile(f"{prefix} fwd {'alibi' if causal else 'window alibi'}", kernel, grid, kwargs))
+    packed = torch.empty(1000, 4, head_dim, dtype=dtype)  # group mode: two sequences, one seqstart
+    starts = torch.tensor([0, 400, 1000], dtype=torch.int32)
+    grouped = check_inputs(packed, packed, packed, seqstart_q=starts, seqstart_k=starts, mask="t" if causal else None)
+    kernel, grid, kwargs = hopper.fwd_launch(grouped, torch.empty_like(packed),
+                                             torch.empty(grouped.lse_shape, dtype=torch.float32))
+    results.append(_compile(f"{prefix} fwd group", kernel, grid, kwargs))
     if head_dim in HOPPER_BWD_CONFIGS:
         grads = [torch.empty_like(q) for _ in range(3)]
         for kernel, grid, kwargs in hopper.bwd_launches(inputs, torch.empty_like(q), out, lse, *grads):

@@ -41,26 +41,35 @@ def device_unsupported(device: torch.device) -> str | None:
     return None
 
 
-def _problem_reason(inputs: AttentionInputs, head_dims, windows_and_alibi: bool = False) -> str | None:
-    """Why the fast path's kernels do not cover a problem; the forward's (``windows_and_alibi``)
-    also take sliding windows and ALiBi."""
+def _problem_reason(inputs: AttentionInputs, head_dims, forward: bool = False) -> str | None:
+    """Why the fast path's kernels do not cover a problem; the forward's (``forward``) also take
+    sliding windows, ALiBi and group mode whose queries and keys share one ``seqstart``."""
     q, k = inputs.q, inputs.k
+    group_rows = forward and inputs.group and _shared_sequences(inputs)
     checks = [
         (q.dtype not in (torch.float16, torch.bfloat16), "fp16 and bf16 only"),
-        (inputs.group, "group (varlen) mode"),
+        (inputs.group and not forward, "group (varlen) mode"),
+        (inputs.group and not group_rows, "group mode without one seqstart shared by queries and keys, or padded"),
         (inputs.cu_seqlen_q is not None or inputs.cu_seqlen_k is not None or inputs.seqlen_k is not None,
          "per-batch sequence lengths"),
-        (q.shape[1] != k.shape[1], "seqlen_q != seqlen_k"),
+        (not inputs.group and q.shape[1] != k.shape[1], "seqlen_q != seqlen_k"),
         (inputs.head_dim_q != inputs.head_dim_v or inputs.head_dim_q not in head_dims,
          f"head dims {sorted(head_dims)} with dq == dv only"),
         (inputs.bias is not None, "elementwise bias"),
-        (inputs.alibi_slopes is not None and not windows_and_alibi, "ALiBi"),
+        (inputs.alibi_slopes is not None and not forward, "ALiBi"),
         (inputs.dropout_p > 0, "dropout"),
-        (inputs.mask.type != MaskType.NONE and not inputs.mask.is_causal and not windows_and_alibi,
-         "sliding-window mask"),
-        (q.shape[1] == 0 or inputs.batch * inputs.nhead_q == 0, "empty problem"),
+        (inputs.mask.type != MaskType.NONE and not inputs.mask.is_causal and not forward, "sliding-window mask"),
+        (inputs.max_seqlen_q == 0 or inputs.batch * inputs.nhead_q == 0, "empty problem"),
     ]
     return next((why for failed, why in checks if failed), None)
+
+
+def _shared_sequences(inputs: AttentionInputs) -> bool:
+    """Group mode whose queries and keys are the same sequences (one ``seqstart`` tensor, checked
+    without reading it) and whose rows are not padded."""
+    q_starts, k_starts = inputs.seqstart_q, inputs.seqstart_k
+    return (q_starts.data_ptr() == k_starts.data_ptr() and q_starts.shape == k_starts.shape
+            and inputs.seqstart_padded_q is None and inputs.seqstart_padded_k is None)
 
 
 def _slower_reason(inputs: AttentionInputs, min_seqlen: int, min_seqlen_causal: int) -> str | None:
@@ -69,7 +78,7 @@ def _slower_reason(inputs: AttentionInputs, min_seqlen: int, min_seqlen_causal: 
         return None
     causal = inputs.mask.is_causal
     shortest = min_seqlen_causal if causal else min_seqlen
-    if inputs.q.shape[1] < shortest:
+    if inputs.max_seqlen_q < shortest:
         kind = "causal " if causal else ""
         return (f"d={inputs.head_dim_q} {kind}sequences under {shortest} tokens: the portable kernels "
                 "measured faster there (FMHA_PORTABLE=0 forces the fast path)")
@@ -78,7 +87,7 @@ def _slower_reason(inputs: AttentionInputs, min_seqlen: int, min_seqlen_causal: 
 
 def fwd_unsupported(inputs: AttentionInputs) -> str | None:
     """Why the Hopper forward does not run this problem, or None."""
-    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_FWD_CONFIGS, True)
+    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_FWD_CONFIGS, forward=True)
     if reason is None:
         cfg = HOPPER_FWD_CONFIGS[inputs.head_dim_q]
         if inputs.alibi_slopes is not None and inputs.mask.is_causal and not cfg.causal_alibi:
@@ -124,12 +133,16 @@ def _stat_desc(t: torch.Tensor, block_m: int):
 
 
 def fwd_launch(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
-    """(kernel, grid, kwargs) of the forward; ``out`` ``[B, S, H, D]``, ``lse`` ``[B, H, S]`` contiguous."""
+    """(kernel, grid, kwargs) of the forward; ``out`` ``[B, S, H, D]`` (group mode ``[T, H, D]``) and
+    ``lse`` ``[B, H, S]`` (``[H, T]``) contiguous."""
     from .kernels.hopper_fwd import ROWS_PER_CONSUMER, attention_fwd_hopper_kernel
-
     from .ops import alibi_mode
 
-    batch, seqlen, nhead, head_dim = inputs.q.shape
+    q, k, v = inputs.q, inputs.k, inputs.v
+    if inputs.group:  # [1, T, H, D] views: sequence b is a row range of the one "batch"
+        q, k, v, out = (t.unsqueeze(0) for t in (q, k, v, out))
+    batch, seqlen, nhead, head_dim = inputs.batch, inputs.max_seqlen_q, inputs.nhead_q, inputs.head_dim_q
+    lse_strides = (0, lse.stride(0)) if inputs.group else (lse.stride(0), lse.stride(1))
     cfg = HOPPER_FWD_CONFIGS[head_dim]
     rows = ROWS_PER_CONSUMER.value
     grid = (triton.cdiv(seqlen, rows * cfg.consumers) * batch * nhead,)
@@ -140,15 +153,17 @@ def fwd_launch(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
     slopes = inputs.alibi_slopes
     alibi_strides = (0, 0) if slopes is None else slopes.stride()  # [B, H], expanded over the batch
     kwargs = dict(
-        q_desc=_desc(inputs.q, rows, head_dim), k_desc=_desc(inputs.k, cfg.block_n, head_dim),
-        v_desc=_desc(inputs.v, cfg.block_n, head_dim), o_desc=_desc(out, rows, head_dim),
-        lse_ptr=lse, alibi_ptr=lse if slopes is None else slopes, seqlen=seqlen, H=nhead,
+        q_desc=_desc(q, rows, head_dim), k_desc=_desc(k, cfg.block_n, head_dim),
+        v_desc=_desc(v, cfg.block_n, head_dim), o_desc=_desc(out, rows, head_dim), out_ptr=out,
+        lse_ptr=lse, alibi_ptr=lse if slopes is None else slopes,
+        seqstart_ptr=inputs.seqstart_q if inputs.group else lse, seqlen=seqlen, H=nhead,
         kv_group=inputs.nhead_q // inputs.nhead_k, qk_scale=inputs.scale * LOG2E,
         left=reach if mask.left < 0 else min(mask.left, reach),
         right=reach if mask.right < 0 else min(mask.right, reach),
-        stride_ab=alibi_strides[0], stride_ah=alibi_strides[1], BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
+        stride_ab=alibi_strides[0], stride_ah=alibi_strides[1], stride_os=out.stride(1), stride_oh=out.stride(2),
+        lse_stride_b=lse_strides[0], lse_stride_h=lse_strides[1], BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
         STAGES=cfg.stages, NUM_CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs, CAUSAL=mask.is_causal,
-        WINDOW=window, ALIBI=alibi_mode(inputs)[0], num_warps=4, maxnreg=cfg.maxnreg,
+        WINDOW=window, ALIBI=alibi_mode(inputs)[0], GROUP=inputs.group, num_warps=4, maxnreg=cfg.maxnreg,
     )
     return attention_fwd_hopper_kernel, grid, kwargs
 

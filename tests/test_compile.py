@@ -151,4 +151,5 @@ def test_hopper_fast_path_compiles_for_sm90_without_spills():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # fp16/bf16 x plain/causal x (3 forwards + 3 backwards of three launches each), and the
     # forward with ALiBi (and a window where not causal) but for causal ALiBi at d=64, and in group mode
-    assert "70/70 kernel configs compile for sm_90 within shared memory and without spills" in proc.stdout, proc.stdout
+    # (forward; backward at d=64/128)
+    assert "78/78 kernel configs compile for sm_90 within shared memory and without spills" in proc.stdout, proc.stdout

@@ -152,12 +152,13 @@ def test_forward_with_window_or_alibi_against_reference(case):
         assert max_error(got, exact) <= error_bound(dtype, max_error(low, exact)), f"d{name}"
 
 
-# Group (varlen) mode on the fast forward: queries and keys share one seqstart. Sequences of one
+# Group (varlen) mode on the fast path: queries and keys share one seqstart. Sequences of one
 # row, ragged ones, one longer than the rest (most CTAs of the others exit at once); GQA, masks
-# and ALiBi. The backward runs the portable kernels from the fast forward's LSE.
+# and ALiBi. The backward takes the fast path at d = 64/128 without a window or ALiBi.
 VARLEN_CASES = [
     ([1, 300, 129, 1000, 64], 128, None, False, torch.bfloat16),
     ([700, 5, 1300], 64, "b", False, torch.float16),
+    ([700, 5, 1300, 129], 64, None, False, torch.bfloat16),
     ([256, 511, 90], 256, "b:100,0", False, torch.bfloat16),
     ([400, 1000, 33], 128, "t", True, torch.bfloat16),
 ]
@@ -173,8 +174,10 @@ def test_group_mode_forward_against_reference(case):
     kwargs = dict(mask=mask)
     if alibi:
         kwargs["alibi_slopes"] = fmha.alibi_slopes(4, device="cuda")
-    assert hopper.fwd_unsupported(check_inputs(batch.q, batch.k, batch.v, seqstart_q=starts, seqstart_k=starts,
-                                               **kwargs)) is None
+    inputs = check_inputs(batch.q, batch.k, batch.v, seqstart_q=starts, seqstart_k=starts, **kwargs)
+    assert hopper.fwd_unsupported(inputs) is None
+    if head_dim != 256 and mask in (None, "b", "t") and not alibi:  # the fast backward: no window or ALiBi yet
+        assert hopper.bwd_unsupported(inputs, deterministic=False) is None
     dout = torch.randn(batch.q.shape[0], 4, head_dim, device="cuda", dtype=dtype)
     leaves = [t.detach().requires_grad_() for t in (batch.q, batch.k, batch.v)]
     result = fmha.fwd(*leaves, seqstart_q=starts, seqstart_k=starts, **kwargs, return_lse=True)

@@ -56,14 +56,15 @@ def test_causal_alibi_at_d64_is_left_to_the_portable_forward(monkeypatch):
     assert hopper.fwd_unsupported(check_inputs(q, q, q, alibi_slopes=slopes)) is None
 
 
-def test_group_mode_takes_the_fast_forward_when_queries_and_keys_share_their_sequences():
+def test_group_mode_takes_the_fast_path_when_queries_and_keys_share_their_sequences():
     q = torch.empty(100, 4, 64, dtype=torch.bfloat16)
     starts = torch.tensor([0, 40, 100], dtype=torch.int32)
     inputs = check_inputs(q, q, q, seqstart_q=starts, seqstart_k=starts)
-    assert hopper._problem_reason(inputs, hopper.HOPPER_FWD_CONFIGS, forward=True) is None
-    assert hopper._problem_reason(inputs, hopper.HOPPER_FWD_CONFIGS) == "group (varlen) mode"  # the backward
+    assert hopper._problem_reason(inputs, hopper.HOPPER_FWD_CONFIGS, forward=True, group=True) is None
+    assert hopper._problem_reason(inputs, hopper.HOPPER_BWD_CONFIGS, group=True) is None
+    assert hopper._problem_reason(inputs, hopper.HOPPER_FWD_CONFIGS) == "group (varlen) mode"
     other = check_inputs(q, q, q, seqstart_q=starts, seqstart_k=starts.clone())
-    assert hopper._problem_reason(other, hopper.HOPPER_FWD_CONFIGS, forward=True).startswith("group mode without")
+    assert hopper._problem_reason(other, hopper.HOPPER_FWD_CONFIGS, group=True).startswith("group mode without")
 
 
 def test_portable_switch(monkeypatch):
@@ -99,3 +100,14 @@ def test_short_backward_stays_on_the_fast_path(monkeypatch):
 def test_gqa_and_mqa_backward_take_the_fast_path(monkeypatch, nhead_k):
     _on_cuda(monkeypatch)
     assert hopper.bwd_unsupported(_inputs(nhead_k=nhead_k), deterministic=False) is None
+
+
+def test_group_mode_backward_at_d256_is_left_to_the_portable_kernels(monkeypatch):
+    _on_cuda(monkeypatch)
+    starts = torch.tensor([0, 40, 100], dtype=torch.int32)
+    wide = torch.empty(100, 4, 256, dtype=torch.bfloat16)
+    assert hopper.bwd_unsupported(check_inputs(wide, wide, wide, seqstart_q=starts, seqstart_k=starts),
+                                  False) == "group mode backward at head dim 256"
+    spare = torch.empty(120, 4, 64, dtype=torch.bfloat16)  # 20 rows after the last sequence
+    assert hopper.bwd_unsupported(check_inputs(spare, spare, spare, seqstart_q=starts, seqstart_k=starts),
+                                  False) is None

@@ -179,6 +179,11 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
     kernel, grid, kwargs = hopper.fwd_launch(grouped, torch.empty_like(packed),
                                              torch.empty(grouped.lse_shape, dtype=torch.float32))
     results.append(_compile(f"{prefix} fwd group", kernel, grid, kwargs))
+    if head_dim != 256:  # the group-mode backward (main kernel; the other two are the same)
+        grads = [torch.empty_like(packed) for _ in range(3)]
+        kernel, grid, kwargs = hopper.bwd_launches(grouped, torch.empty_like(packed), torch.empty_like(packed),
+                                                   torch.empty(grouped.lse_shape, dtype=torch.float32), *grads)[1]
+        results.append(_compile(f"{prefix} bwd group", kernel, grid, kwargs))
     if head_dim in HOPPER_BWD_CONFIGS:
         grads = [torch.empty_like(q) for _ in range(3)]
         for kernel, grid, kwargs in hopper.bwd_launches(inputs, torch.empty_like(q), out, lse, *grads):

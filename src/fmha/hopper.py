@@ -41,14 +41,15 @@ def device_unsupported(device: torch.device) -> str | None:
     return None
 
 
-def _problem_reason(inputs: AttentionInputs, head_dims, forward: bool = False) -> str | None:
+def _problem_reason(inputs: AttentionInputs, head_dims, forward: bool = False, group: bool = False) -> str | None:
     """Why the fast path's kernels do not cover a problem; the forward's (``forward``) also take
-    sliding windows, ALiBi and group mode whose queries and keys share one ``seqstart``."""
+    sliding windows and ALiBi, and with ``group`` group mode whose queries and keys share one
+    ``seqstart``."""
     q, k = inputs.q, inputs.k
-    group_rows = forward and inputs.group and _shared_sequences(inputs)
+    group_rows = group and inputs.group and _shared_sequences(inputs)
     checks = [
         (q.dtype not in (torch.float16, torch.bfloat16), "fp16 and bf16 only"),
-        (inputs.group and not forward, "group (varlen) mode"),
+        (inputs.group and not group, "group (varlen) mode"),
         (inputs.group and not group_rows, "group mode without one seqstart shared by queries and keys, or padded"),
         (inputs.cu_seqlen_q is not None or inputs.cu_seqlen_k is not None or inputs.seqlen_k is not None,
          "per-batch sequence lengths"),
@@ -87,7 +88,8 @@ def _slower_reason(inputs: AttentionInputs, min_seqlen: int, min_seqlen_causal: 
 
 def fwd_unsupported(inputs: AttentionInputs) -> str | None:
     """Why the Hopper forward does not run this problem, or None."""
-    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_FWD_CONFIGS, forward=True)
+    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_FWD_CONFIGS, forward=True,
+                                                                    group=True)
     if reason is None:
         cfg = HOPPER_FWD_CONFIGS[inputs.head_dim_q]
         if inputs.alibi_slopes is not None and inputs.mask.is_causal and not cfg.causal_alibi:
@@ -98,7 +100,9 @@ def fwd_unsupported(inputs: AttentionInputs) -> str | None:
 
 def bwd_unsupported(inputs: AttentionInputs, deterministic: bool) -> str | None:
     """Why the Hopper backward does not run this problem, or None."""
-    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_BWD_CONFIGS)
+    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_BWD_CONFIGS, group=True)
+    if reason is None and inputs.group and inputs.head_dim_q == 256:
+        reason = "group mode backward at head dim 256"
     if reason is None and deterministic:
         reason = "deterministic mode (the fast path reduces dQ in arrival order)"
     return reason
@@ -170,7 +174,8 @@ def fwd_launch(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
 
 def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
-    """The backward's three (kernel, grid, kwargs), in order; dq, dk, dv contiguous ``[B, S, H, D]``."""
+    """The backward's three (kernel, grid, kwargs), in order; dq, dk, dv contiguous ``[B, S, H, D]``
+    (group mode ``[T, H, D]``, dk and dv zeroed: the kernel adds into them)."""
     from .kernels.hopper_bwd import (
         BLOCK_N,
         STAT_PAD,
@@ -182,29 +187,38 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
         hopper_bwd_preprocess,
     )
 
-    q = inputs.q
-    batch, seqlen, nhead, head_dim = q.shape
+    q, k, v = inputs.q, inputs.k, inputs.v
+    lse = lse.contiguous()
+    if inputs.group:  # [1, T, H, D] views: sequence b is a row range of the one "batch" (see fwd_launch)
+        q, k, v, dout, out, dq, dk, dv = (t.unsqueeze(0) for t in (q, k, v, dout, out, dq, dk, dv))
+        lse = lse.unsqueeze(0)
+    nhead, head_dim = q.shape[2], q.shape[3]
+    batch, seqlen = inputs.batch, inputs.max_seqlen_q
     cfg = HOPPER_BWD_CONFIGS[head_dim]
     # One CTA per key tile of each key/value head; it runs the query tiles of every query head
     # of its group (GQA/MQA) with its K/V resident.
     nhead_k = inputs.nhead_k
     kv_group = nhead // nhead_k
-    lse = lse.contiguous()
+    # Statistics per (sequence, head) with padded rows, as in batch mode: the next sequence's rows
+    # in a ragged query tile then see -lse = -inf.
     seqlen_pad = triton.cdiv(seqlen, STAT_PAD) * STAT_PAD
     neg_delta = torch.empty((batch, nhead, seqlen_pad), dtype=torch.float32, device=q.device)
     neg_lse = torch.empty_like(neg_delta)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    per_sequence = 0 if inputs.group else 1  # group mode: one packed "batch", sequences by seqstart
     preprocess = dict(
-        O=out, DO=dout, Lse=lse, NegDelta=neg_delta, NegLse=neg_lse, seqlen=seqlen, seqlen_pad=seqlen_pad,
-        H=nhead, inv_scale=1.0 / inputs.scale, stride_ob=out.stride(0), stride_os=out.stride(1),
-        stride_oh=out.stride(2), stride_dob=dout.stride(0), stride_dos=dout.stride(1),
-        stride_doh=dout.stride(2), HEAD_DIM=head_dim, BLOCK=STAT_PAD, num_warps=8 if head_dim <= 128 else 16,
+        O=out, DO=dout, Lse=lse, NegDelta=neg_delta, NegLse=neg_lse,
+        Seqstart=inputs.seqstart_q if inputs.group else neg_lse, seqlen=seqlen, seqlen_pad=seqlen_pad,
+        H=nhead, inv_scale=1.0 / inputs.scale, stride_ob=out.stride(0) * per_sequence, stride_os=out.stride(1),
+        stride_oh=out.stride(2), stride_dob=dout.stride(0) * per_sequence, stride_dos=dout.stride(1),
+        stride_doh=dout.stride(2), stride_lb=lse.stride(0) * per_sequence, stride_lh=lse.stride(1),
+        HEAD_DIM=head_dim, BLOCK=STAT_PAD, GROUP=inputs.group, num_warps=8 if head_dim <= 128 else 16,
     )
     convert = dict(Acc=dq_acc, DQ=dq, n=dq.numel(), scale=inputs.scale, BLOCK=CONVERT_BLOCK, num_warps=8)
     if head_dim == 256:  # the head-dim-split kernel: 64 keys per CTA
         wide = dict(
-            q_desc=_desc(q, cfg.block_m, head_dim), k_desc=_desc(inputs.k, WIDE_KEYS.value, head_dim),
-            v_desc=_desc(inputs.v, WIDE_KEYS.value, head_dim), do_desc=_desc(dout, cfg.block_m, head_dim),
+            q_desc=_desc(q, cfg.block_m, head_dim), k_desc=_desc(k, WIDE_KEYS.value, head_dim),
+            v_desc=_desc(v, WIDE_KEYS.value, head_dim), do_desc=_desc(dout, cfg.block_m, head_dim),
             dq_desc=_desc(dq_acc, cfg.block_m, cfg.dq_cols, swizzle=False), dk_ptr=dk, dv_ptr=dv,
             neg_lse_ptr=neg_lse, neg_delta_ptr=neg_delta, seqlen=seqlen, seqlen_pad=seqlen_pad, H=nhead_k,
             kv_group=kv_group,
@@ -216,14 +230,16 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
     else:
         dq_cols = head_dim if cfg.block_m == 128 else head_dim // 2
         narrow = dict(
-            q_desc=_desc(q, cfg.block_m, head_dim), k_desc=_desc(inputs.k, BLOCK_N.value, head_dim),
-            v_desc=_desc(inputs.v, WG_KEYS.value, head_dim), do_desc=_desc(dout, cfg.block_m, head_dim),
+            q_desc=_desc(q, cfg.block_m, head_dim), k_desc=_desc(k, BLOCK_N.value, head_dim),
+            v_desc=_desc(v, WG_KEYS.value, head_dim), do_desc=_desc(dout, cfg.block_m, head_dim),
             dk_desc=_desc(dk, WG_KEYS.value, head_dim), dv_desc=_desc(dv, WG_KEYS.value, head_dim),
             dq_desc=_desc(dq_acc, 64, dq_cols, swizzle=False), lse_desc=_stat_desc(neg_lse, cfg.block_m),
-            delta_desc=_stat_desc(neg_delta, cfg.block_m), seqlen=seqlen, H=nhead_k, kv_group=kv_group,
-            qk_scale=inputs.scale * LOG2E, sm_scale=inputs.scale, BLOCK_M=cfg.block_m, HEAD_DIM=head_dim,
-            STAGES=cfg.stages, DS_BUFS=cfg.ds_bufs, CONSUMER_REGS=cfg.consumer_regs,
-            CAUSAL=inputs.mask.is_causal, num_warps=4, maxnreg=cfg.maxnreg,
+            delta_desc=_stat_desc(neg_delta, cfg.block_m),
+            seqstart_ptr=inputs.seqstart_q if inputs.group else neg_lse, seqlen=seqlen, H=nhead_k,
+            kv_group=kv_group, qk_scale=inputs.scale * LOG2E,
+            sm_scale=inputs.scale, BLOCK_M=cfg.block_m, HEAD_DIM=head_dim, STAGES=cfg.stages,
+            DS_BUFS=cfg.ds_bufs, CONSUMER_REGS=cfg.consumer_regs, CAUSAL=inputs.mask.is_causal,
+            GROUP=inputs.group, num_warps=4, maxnreg=cfg.maxnreg,
         )
         main = (attention_bwd_hopper_kernel, (triton.cdiv(seqlen, BLOCK_N.value) * batch * nhead_k,), narrow)
     return [

@@ -1,8 +1,8 @@
 """Backward attention for Hopper (sm_90a) in Triton's Gluon dialect, FlashAttention-3's split.
 
 Three launches: ``hopper_bwd_preprocess`` (Triton) writes ``-delta`` and ``-lse / scale`` per query
-row, padded to a multiple of 128 rows (padding: delta 0, lse +inf, so P = 0 there and the main
-loop needs no query bound); ``attention_bwd_hopper_kernel`` (Gluon); ``hopper_bwd_convert_dq``
+row of each (sequence, head), padded to a multiple of 128 rows (padding: delta 0, lse +inf, so P = 0
+there and the main loop needs no query bound, in group mode too); ``attention_bwd_hopper_kernel`` (Gluon); ``hopper_bwd_convert_dq``
 (Triton) scales the fp32 dQ accumulator into dQ.
 
 Main kernel at head dims 64/128 (at 256, ``attention_bwd_hopper_wide_kernel`` below splits the
@@ -36,6 +36,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .hopper_fwd import packed_sequence
+
 BLOCK_N = gl.constexpr(128)  # keys per CTA
 WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma)
 STAT_PAD = 128  # statistics rows are padded to a multiple of every BLOCK_M
@@ -50,21 +52,29 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @triton.jit
-def hopper_bwd_preprocess(O, DO, Lse, NegDelta, NegLse, seqlen, seqlen_pad, H, inv_scale,
-                          stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
-                          HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+def hopper_bwd_preprocess(O, DO, Lse, NegDelta, NegLse, Seqstart, seqlen, seqlen_pad, H, inv_scale,
+                          stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
+                          HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    """Statistics per (sequence, head), padded rows: in group mode ``seqlen`` is the longest
+    sequence and sequence b the rows ``Seqstart[b] ..`` of the packed O, dO and LSE."""
     blocks = seqlen_pad // BLOCK  # 1-D grid: grid y stops at 65535, less than batch * heads can be
     bh = tl.program_id(0) // blocks
     b = bh // H
     h = bh % H
     rows = (tl.program_id(0) % blocks) * BLOCK + tl.arange(0, BLOCK)
+    start = 0
+    length = seqlen
+    if GROUP:
+        start = tl.load(Seqstart + b)
+        length = tl.load(Seqstart + b + 1) - start
     cols = tl.arange(0, HEAD_DIM)
-    ok = rows < seqlen
-    o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + rows[:, None].to(tl.int64) * stride_os
-                + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-    do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + rows[:, None].to(tl.int64) * stride_dos
-                 + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-    lse = tl.load(Lse + bh.to(tl.int64) * seqlen + rows, mask=ok, other=float("inf"))
+    ok = rows < length
+    packed = (start + rows)[:, None].to(tl.int64)
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + packed * stride_os + cols[None, :],
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + packed * stride_dos + cols[None, :],
+                 mask=ok[:, None], other=0.0).to(tl.float32)
+    lse = tl.load(Lse + b.to(tl.int64) * stride_lb + h * stride_lh + start + rows, mask=ok, other=float("inf"))
     pad = bh.to(tl.int64) * seqlen_pad + rows
     # Negated: they are the initial values of the S^T and dP^T accumulators.
     tl.store(NegDelta + pad, tl.where(ok, -tl.sum(o * do, 1), 0.0))
@@ -129,36 +139,41 @@ def _init_rings(q_ready, q_empty, do_ready, do_empty, STAGES: gl.constexpr):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
-              lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqlen, H, kv_group,
-              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+              lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqstart_ptr, seqlen, H, kv_group,
+              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr):
     b, h, bh, n0 = _this_program(seqlen, H, BLOCK_N)
-    m_lo, m_mask_end, m_hi = _query_tiles(n0, seqlen, BLOCK_M, BLOCK_N, CAUSAL)
+    bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
+    # Group mode: the grid covers the longest sequence; a CTA past its sequence loads its K/V and
+    # runs no query tile (the consumers then add zero dK/dV), which keeps the control flow simple.
+    m_lo, m_mask_end, m_hi = _query_tiles(n0, seqlen_b, BLOCK_M, BLOCK_N, CAUSAL)
+    n_k = row_base + n0
 
     # V as two 64-key halves: each is one warpgroup's operand and later its epilogue buffer.
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b, n0, h, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [b, n0, h, 0], kv_bar, v_smem.index(0))
-    tma.async_copy_global_to_shared(v_desc, [b, n0 + WG_KEYS, h, 0], kv_bar, v_smem.index(1))
+    tma.async_copy_global_to_shared(k_desc, [bd, n_k, h, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [bd, n_k, h, 0], kv_bar, v_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [bd, n_k + WG_KEYS, h, 0], kv_bar, v_smem.index(1))
 
-    n_m = m_hi - m_lo
+    n_m = (m_hi - m_lo) * (n0 < seqlen_b).to(gl.int32)
     for it in range(kv_group * n_m):
         m, hq, bhq = _group_step(it, n_m, m_lo, h, bh, kv_group)
+        rows = row_base + m * BLOCK_M
         s = it % STAGES
         ph = ((it // STAGES) & 1) ^ 1  # a fresh mbarrier passes a wait on parity 1 at once
         mbarrier.wait(q_empty.index(s), ph)
         mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, m * BLOCK_M, hq, 0], q_ready.index(s), q_bufs.index(s))
+        tma.async_copy_global_to_shared(q_desc, [bd, rows, hq, 0], q_ready.index(s), q_bufs.index(s))
         tma.async_copy_global_to_shared(lse_desc, [bhq, m * BLOCK_M], q_ready.index(s), lse_bufs.index(s))
         mbarrier.wait(do_empty.index(s), ph)
         mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [b, m * BLOCK_M, hq, 0], do_ready.index(s), do_bufs.index(s))
+        tma.async_copy_global_to_shared(do_desc, [bd, rows, hq, 0], do_ready.index(s), do_bufs.index(s))
         tma.async_copy_global_to_shared(delta_desc, [bhq, m * BLOCK_M], do_ready.index(s), delta_bufs.index(s))
 
 
 @gluon.jit
 def _consumer_step(WG: gl.constexpr, it, m, m_mask_end, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs, dq_smem,
                    p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc, lse_bufs,
-                   delta_bufs, b, h, keys, seqlen, qk_scale, dk, dv, sT_layout: gl.constexpr,
+                   delta_bufs, bd, row_base, h, keys, seqlen, qk_scale, dk, dv, sT_layout: gl.constexpr,
                    dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                    STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr):
     dtype: gl.constexpr = q_bufs.dtype
@@ -181,6 +196,8 @@ def _consumer_step(WG: gl.constexpr, it, m, m_mask_end, k_w, v_w, k_full, q_bufs
 
     sT = warpgroup_mma_wait(1, deps=[sT])  # S^T done; dP^T may still run under the exp2
     pT = gl.exp2(sT * qk_scale)
+    # Queries past the sequence (the next sequence's rows in group mode) need no mask: their
+    # padded statistics (-lse = -inf) make P^T zero.
     if m < m_mask_end:  # uniform branch: diagonal tiles, or every tile of a ragged key tile
         keep = keys[:, None] < seqlen
         if CAUSAL:
@@ -223,17 +240,32 @@ def _consumer_step(WG: gl.constexpr, it, m, m_mask_end, k_w, v_w, k_full, q_bufs
     dq_smem.reshape([64, dq.shape[1]]).store(dq)
     fence_async_shared()
     if BLOCK_M == 128:
-        _tma_reduce_add(dq_desc, [b, m0 + WG * 64, h, 0], dq_smem)
+        _tma_reduce_add(dq_desc, [bd, row_base + m0 + WG * 64, h, 0], dq_smem)
     else:
-        _tma_reduce_add(dq_desc, [b, m0, h, WG * (HEAD_DIM // 2)], dq_smem)
+        _tma_reduce_add(dq_desc, [bd, row_base + m0, h, WG * (HEAD_DIM // 2)], dq_smem)
     return dk, dv
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
-              delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready,
-              ds_empty, seqlen, H, kv_group, qk_scale, sm_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-              STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr):
+def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs,
+              lse_bufs, delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready,
+              ds_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale,
+              BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
+              CAUSAL: gl.constexpr, GROUP: gl.constexpr):
+    b, h, bh, n0 = _this_program(seqlen, H, BLOCK_N)
+    bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
+    _consumer_keys(WG, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
+                   dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, h, bh, n0, bd,
+                   row_base, seqlen_b, kv_group, qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL,
+                   GROUP)
+
+
+@gluon.jit
+def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs,
+                   lse_bufs, delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
+                   ds_ready, ds_empty, h, bh, n0, bd, row_base, seqlen, kv_group, qk_scale, sm_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                   DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr):
+    """Warpgroup WG's 64 keys of the CTA's key tile; n0, keys and seqlen are the sequence's."""
     dtype: gl.constexpr = q_bufs.dtype
     sT_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
@@ -243,7 +275,6 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_buf
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLS, 16])
 
-    b, h, bh, n0 = _this_program(seqlen, H, BLOCK_N)
     m_lo, m_mask_end, m_hi = _query_tiles(n0, seqlen, BLOCK_M, BLOCK_N, CAUSAL)
     keys = n0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, sT_layout))
 
@@ -256,32 +287,43 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_buf
 
     dk = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, kv_layout)
-    n_m = m_hi - m_lo
+    n_m = (m_hi - m_lo) * (n0 < seqlen).to(gl.int32)  # none past the sequence (group mode)
     for it in range(kv_group * n_m):
         m, hq, _ = _group_step(it, n_m, m_lo, h, bh, kv_group)
         dk, dv = _consumer_step(WG, it, m, m_mask_end, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs, dq_smem,
                                 p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc, lse_bufs,
-                                delta_bufs, b, hq, keys, seqlen, qk_scale, dk, dv, sT_layout, dq_layout,
+                                delta_bufs, bd, row_base, hq, keys, seqlen, qk_scale, dk, dv, sT_layout, dq_layout,
                                 BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)
 
-    # Epilogue through this warpgroup's V half: only its own dP^T wgmma read it, all retired.
+    # Epilogue through this warpgroup's V half: only its own dP^T wgmma read it, all retired. In
+    # group mode the rows after a ragged key tile are the next sequence's; this tile's rows there
+    # are exactly zero (P^T is masked for those keys), so it adds into the zeroed dK/dV instead of
+    # storing, and whichever of the two CTAs comes second leaves the other's rows as they were.
     out_smem = v_smem.index(WG)
     out2 = out_smem.reshape([WG_KEYS, HEAD_DIM])
+    key_row = row_base + n0 + WG * WG_KEYS
     out2.store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dv_desc, [b, n0 + WG * WG_KEYS, h, 0], out_smem)
+    if GROUP:
+        _tma_reduce_add(dv_desc, [bd, key_row, h, 0], out_smem)
+    else:
+        tma.async_copy_shared_to_global(dv_desc, [bd, key_row, h, 0], out_smem)
     tma.store_wait(0)  # also drains the last dQ reduction
     out2.store((dk * sm_scale).to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [b, n0 + WG * WG_KEYS, h, 0], out_smem)
+    if GROUP:
+        _tma_reduce_add(dk_desc, [bd, key_row, h, 0], out_smem)
+    else:
+        tma.async_copy_shared_to_global(dk_desc, [bd, key_row, h, 0], out_smem)
     tma.store_wait(0)
 
 
+# GROUP: group (varlen) mode, the tensors ``[1, T, H, D]`` views and ``seqlen`` the longest sequence.
 @gluon.jit(do_not_specialize=["seqlen", "H", "kv_group"])
 def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
-                                seqlen, H, kv_group, qk_scale, sm_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                                STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                CAUSAL: gl.constexpr):
+                                seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                                DS_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr,
+                                GROUP: gl.constexpr):
     gl.static_assert(BLOCK_M == 64 or BLOCK_M == 128)
     dtype: gl.constexpr = q_desc.dtype
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
@@ -311,15 +353,17 @@ def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
 
     # One partition per consumer warpgroup (first argument: its index), each with its own barrier.
     gl.warp_specialize([
-        (_consumer, (0, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
-                      dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, seqlen, H,
-                      kv_group, qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)),
-        (_consumer, (1, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
-                      dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, seqlen, H,
-                      kv_group, qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)),
+        (_consumer, (0, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
+                      delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready,
+                      ds_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale, BLOCK_M,
+                      HEAD_DIM, STAGES, DS_BUFS, CAUSAL, GROUP)),
+        (_consumer, (1, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
+                      delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready,
+                      ds_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale, BLOCK_M,
+                      HEAD_DIM, STAGES, DS_BUFS, CAUSAL, GROUP)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
-                     lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqlen, H, kv_group,
-                     BLOCK_M, STAGES, CAUSAL)),
+                     lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqstart_ptr, seqlen, H,
+                     kv_group, BLOCK_M, STAGES, CAUSAL, GROUP)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 

@@ -68,7 +68,7 @@ def _this_program(seqlen, H, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _sequence(b, seqlen, seqstart_ptr, GROUP: gl.constexpr):
+def packed_sequence(b, seqlen, seqstart_ptr, GROUP: gl.constexpr):
     """(batch coordinate, first row, length) of sequence b. Group (varlen) mode: the tensors are
     ``[1, total, H, D]`` views, sequence b is rows ``seqstart[b] .. seqstart[b + 1]`` of them and
     ``seqlen`` is the longest; rows past a sequence are the next one's, so they are masked (keys)
@@ -84,7 +84,7 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty
               kv_group, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, GROUP: gl.constexpr):
     b, h, m0 = _this_program(seqlen, H, BLOCK_M)
-    bd, row_base, seqlen_b = _sequence(b, seqlen, seqstart_ptr, GROUP)
+    bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
     if m0 < seqlen_b:  # group mode: the grid covers the longest sequence
         first, _, _, end = _key_tiles(m0, seqlen_b, left, right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
         h_kv = h // kv_group
@@ -180,7 +180,7 @@ def _consumer(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
               ALIBI: gl.constexpr, GROUP: gl.constexpr):
     b, h, m0 = _this_program(seqlen, H, BLOCK_M)
-    bd, row_base, seqlen_b = _sequence(b, seqlen, seqstart_ptr, GROUP)
+    bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
     if m0 < seqlen_b:  # group mode: the grid covers the longest sequence
         _consumer_tile(WG, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
                        v_ready, v_empty, b, h, m0, bd, row_base, seqlen_b, stride_os, stride_oh,

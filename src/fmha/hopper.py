@@ -42,8 +42,8 @@ def device_unsupported(device: torch.device) -> str | None:
 
 
 def _problem_reason(inputs: AttentionInputs, head_dims, windows_and_alibi: bool = False) -> str | None:
-    """Why the fast path's kernels do not cover a problem; the forward's (``windows_and_alibi``)
-    also take sliding windows and ALiBi."""
+    """Why the fast path's kernels do not cover a problem; with ``windows_and_alibi`` they also
+    take sliding windows and ALiBi."""
     q, k = inputs.q, inputs.k
     checks = [
         (q.dtype not in (torch.float16, torch.bfloat16), "fp16 and bf16 only"),
@@ -89,7 +89,12 @@ def fwd_unsupported(inputs: AttentionInputs) -> str | None:
 
 def bwd_unsupported(inputs: AttentionInputs, deterministic: bool) -> str | None:
     """Why the Hopper backward does not run this problem, or None."""
-    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_BWD_CONFIGS)
+    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_BWD_CONFIGS, True)
+    if reason is None and not HOPPER_BWD_CONFIGS[inputs.head_dim_q].windows_and_alibi:
+        # everything else passed: what is left to refuse is a window or ALiBi
+        reason = _problem_reason(inputs, HOPPER_BWD_CONFIGS)
+        if reason is not None:
+            reason = f"{reason} at head dim {inputs.head_dim_q}"
     if reason is None and deterministic:
         reason = "deterministic mode (the fast path reduces dQ in arrival order)"
     if reason is None and inputs.nhead_q != inputs.nhead_k:
@@ -125,32 +130,40 @@ def _stat_desc(t: torch.Tensor, block_m: int):
                             _smem_layout((1, block_m), t.dtype, False))
 
 
+def _window_and_alibi_args(inputs: AttentionInputs, placeholder: torch.Tensor) -> dict:
+    """The window and ALiBi arguments of the forward and the narrow backward; ``placeholder``, any
+    fp32 tensor, stands in for absent slopes (never read)."""
+    from .ops import alibi_mode
+
+    mask = inputs.mask
+    # seqlen_q == seqlen_k here, so both corners align; an unbounded side reaches past every key.
+    reach = 2 * inputs.q.shape[1]
+    slopes = inputs.alibi_slopes
+    alibi_strides = (0, 0) if slopes is None else slopes.stride()  # [B, H], expanded over the batch
+    return dict(
+        alibi_ptr=placeholder if slopes is None else slopes,
+        left=reach if mask.left < 0 else min(mask.left, reach),
+        right=reach if mask.right < 0 else min(mask.right, reach),
+        stride_ab=alibi_strides[0], stride_ah=alibi_strides[1],
+        WINDOW=mask.type != MaskType.NONE and not mask.is_causal, ALIBI=alibi_mode(inputs)[0],
+    )
+
+
 def fwd_launch(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
     """(kernel, grid, kwargs) of the forward; ``out`` ``[B, S, H, D]``, ``lse`` ``[B, H, S]`` contiguous."""
     from .kernels.hopper_fwd import ROWS_PER_CONSUMER, attention_fwd_hopper_kernel
-
-    from .ops import alibi_mode
 
     batch, seqlen, nhead, head_dim = inputs.q.shape
     cfg = HOPPER_FWD_CONFIGS[head_dim]
     rows = ROWS_PER_CONSUMER.value
     grid = (triton.cdiv(seqlen, rows * cfg.consumers) * batch * nhead,)
-    mask = inputs.mask
-    # seqlen_q == seqlen_k here, so both corners align; an unbounded side reaches past every key.
-    window = mask.type != MaskType.NONE and not mask.is_causal
-    reach = 2 * seqlen
-    slopes = inputs.alibi_slopes
-    alibi_strides = (0, 0) if slopes is None else slopes.stride()  # [B, H], expanded over the batch
     kwargs = dict(
         q_desc=_desc(inputs.q, rows, head_dim), k_desc=_desc(inputs.k, cfg.block_n, head_dim),
         v_desc=_desc(inputs.v, cfg.block_n, head_dim), o_desc=_desc(out, rows, head_dim),
-        lse_ptr=lse, alibi_ptr=lse if slopes is None else slopes, seqlen=seqlen, H=nhead,
-        kv_group=inputs.nhead_q // inputs.nhead_k, qk_scale=inputs.scale * LOG2E,
-        left=reach if mask.left < 0 else min(mask.left, reach),
-        right=reach if mask.right < 0 else min(mask.right, reach),
-        stride_ab=alibi_strides[0], stride_ah=alibi_strides[1], BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
-        STAGES=cfg.stages, NUM_CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs, CAUSAL=mask.is_causal,
-        WINDOW=window, ALIBI=alibi_mode(inputs)[0], num_warps=4, maxnreg=cfg.maxnreg,
+        lse_ptr=lse, seqlen=seqlen, H=nhead, kv_group=inputs.nhead_q // inputs.nhead_k,
+        qk_scale=inputs.scale * LOG2E, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, STAGES=cfg.stages,
+        NUM_CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs, CAUSAL=inputs.mask.is_causal,
+        num_warps=4, maxnreg=cfg.maxnreg, **_window_and_alibi_args(inputs, lse),
     )
     return attention_fwd_hopper_kernel, grid, kwargs
 
@@ -205,7 +218,7 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
             delta_desc=_stat_desc(neg_delta, cfg.block_m), seqlen=seqlen, H=nhead,
             qk_scale=inputs.scale * LOG2E, sm_scale=inputs.scale, BLOCK_M=cfg.block_m, HEAD_DIM=head_dim,
             STAGES=cfg.stages, DS_BUFS=cfg.ds_bufs, CONSUMER_REGS=cfg.consumer_regs,
-            CAUSAL=inputs.mask.is_causal, num_warps=4, maxnreg=cfg.maxnreg,
+            CAUSAL=inputs.mask.is_causal, num_warps=4, maxnreg=cfg.maxnreg, **_window_and_alibi_args(inputs, lse),
         )
         main = (attention_bwd_hopper_kernel, (triton.cdiv(seqlen, BLOCK_N.value) * batch * nhead,), narrow)
     return [

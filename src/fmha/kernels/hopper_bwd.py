@@ -18,6 +18,10 @@ head dim between the warpgroups instead): one CTA per (128-key tile, batch * hea
   accumulator (the order of those adds varies: this is the atomic mode).
 * the epilogue writes dV and ``dK * scale`` by TMA through this warpgroup's half of the V tile.
 
+A sliding window (``WINDOW``) visits only the query tiles whose rows see some of the CTA's keys,
+masked at both edges; ALiBi (``ALIBI``) adds its term to the exponent of P^T (the LSE folded into
+S^T already holds it; dS^T needs nothing more).
+
 Tensors are addressed like the forward's: 4-D descriptors over ``[B, S, H, D]``, boxes
 ``[1, rows, 1, cols]``, rows past the sequence zero-filled on load and clipped on store.
 """
@@ -109,6 +113,28 @@ def _query_tiles(n0, seqlen, BLOCK_M: gl.constexpr, KEYS: gl.constexpr, CAUSAL: 
 
 
 @gluon.jit
+def _band_query_tiles(n0, seqlen, left, right, BLOCK_M: gl.constexpr, KEYS: gl.constexpr, CAUSAL: gl.constexpr,
+                      WINDOW: gl.constexpr):
+    """(m_lo, inner_lo, inner_hi, m_hi) in query tiles for the KEYS keys from n0: it runs tiles
+    [m_lo, m_hi); those in [inner_lo, inner_hi) need no mask. A window shows row i keys
+    i - left .. i + right, so key j is seen by rows j - right .. j + left."""
+    if WINDOW:
+        last_key = gl.minimum(n0 + KEYS, seqlen) - 1
+        m_lo = gl.maximum(n0 - right, 0) // BLOCK_M
+        m_hi = gl.cdiv(gl.minimum(last_key + left + 1, seqlen), BLOCK_M)
+        # unmasked: the first row sees the last key, the last row the first (a ragged last query
+        # tile stays masked: cheap, and rows past the sequence have P = 0 anyway)
+        inner_lo = gl.cdiv(gl.maximum(n0 + KEYS - 1 - right, 0), BLOCK_M)
+        inner_hi = gl.minimum(n0 + left + 1, seqlen) // BLOCK_M
+        if n0 + KEYS > seqlen:  # keys past the sequence: every tile masked
+            inner_lo = m_hi
+    else:
+        m_lo, inner_lo, m_hi = _query_tiles(n0, seqlen, BLOCK_M, KEYS, CAUSAL)
+        inner_hi = m_hi
+    return m_lo, inner_lo, inner_hi, m_hi
+
+
+@gluon.jit
 def _init_rings(q_ready, q_empty, do_ready, do_empty, STAGES: gl.constexpr):
     """The Q and dO rings' barriers: ready by the producer's TMA, empty by both consumers."""
     for i in gl.static_range(STAGES):
@@ -120,10 +146,10 @@ def _init_rings(q_ready, q_empty, do_ready, do_empty, STAGES: gl.constexpr):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
-              lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqlen, H,
-              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+              lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqlen, H, left, right,
+              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     b, h, bh, n0 = _this_program(seqlen, H, BLOCK_N)
-    m_lo, m_mask_end, m_hi = _query_tiles(n0, seqlen, BLOCK_M, BLOCK_N, CAUSAL)
+    m_lo, _, _, m_hi = _band_query_tiles(n0, seqlen, left, right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
 
     # V as two 64-key halves: each is one warpgroup's operand and later its epilogue buffer.
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
@@ -146,11 +172,29 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_s
 
 
 @gluon.jit
-def _consumer_step(WG: gl.constexpr, it, m, m_mask_end, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs, dq_smem,
-                   p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc, lse_bufs,
-                   delta_bufs, b, h, keys, seqlen, qk_scale, dk, dv, sT_layout: gl.constexpr,
+def _key_minus_query(keys, m0, BLOCK_M: gl.constexpr, sT_layout: gl.constexpr):
+    """key - query at every element of S^T: keys are its rows, the tile's queries its columns."""
+    return keys[:, None] - (m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, sT_layout)))[None, :]
+
+
+@gluon.jit
+def _with_alibi(scores, rel, keys, slope, ALIBI: gl.constexpr):
+    """Scores of S^T's layout plus ALiBi's term, ``slope`` in their units: ALIBI 1 -slope * |rel|
+    (``rel`` = key - query), 2 slope * key, 0 none."""
+    if ALIBI == 1:
+        scores = scores - slope * gl.abs(rel).to(gl.float32)
+    elif ALIBI == 2:  # one term per key: a row of S^T
+        scores = scores + (slope * keys.to(gl.float32))[:, None]
+    return scores
+
+
+@gluon.jit
+def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs,
+                   dq_smem, p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc, lse_bufs,
+                   delta_bufs, b, h, keys, seqlen, qk_scale, left, right, slope, dk, dv, sT_layout: gl.constexpr,
                    dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr):
+                   STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                   ALIBI: gl.constexpr):
     dtype: gl.constexpr = q_bufs.dtype
     s = it % STAGES
     ph = (it // STAGES) & 1
@@ -170,13 +214,23 @@ def _consumer_step(WG: gl.constexpr, it, m, m_mask_end, k_w, v_w, k_full, q_bufs
                         is_async=True)
 
     sT = warpgroup_mma_wait(1, deps=[sT])  # S^T done; dP^T may still run under the exp2
-    pT = gl.exp2(sT * qk_scale)
-    if m < m_mask_end:  # uniform branch: diagonal tiles, or every tile of a ragged key tile
+    masked = m < inner_lo
+    if WINDOW:
+        masked = masked | (m >= inner_hi)
+    # Each branch derives key - query itself, the masked one before its scores: computed once
+    # for both (or ALiBi's term before the mask), it stays live beside dP^T and spills.
+    if masked:  # uniform branch: a band's edge or causal diagonal tiles, or all of a ragged key tile
+        rel = _key_minus_query(keys, m0, BLOCK_M, sT_layout)
+        scores = _with_alibi(sT * qk_scale, rel, keys, slope, ALIBI)
         keep = keys[:, None] < seqlen
-        if CAUSAL:
-            cols = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, sT_layout))
-            keep = keep & (keys[:, None] <= cols[None, :])
-        pT = gl.where(keep, pT, 0.0)
+        if WINDOW:
+            keep = keep & (rel >= -left) & (rel <= right)
+        elif CAUSAL:
+            keep = keep & (rel <= 0)
+        scores = gl.where(keep, scores, -float("inf"))
+    else:
+        scores = _with_alibi(sT * qk_scale, _key_minus_query(keys, m0, BLOCK_M, sT_layout), keys, slope, ALIBI)
+    pT = gl.exp2(scores)
     # P^T feeds dV from this warpgroup's own smem tile: as a register operand it would stay live
     # beside dP^T, dK and dV and spill.
     p_smem.store(pT.to(dtype))
@@ -222,8 +276,9 @@ def _consumer_step(WG: gl.constexpr, it, m, m_mask_end, k_w, v_w, k_full, q_bufs
 @gluon.jit
 def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
               delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready,
-              ds_empty, seqlen, H, qk_scale, sm_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-              STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr):
+              ds_empty, seqlen, H, qk_scale, sm_scale, left, right, alibi_ptr, stride_ab, stride_ah,
+              BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
+              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr):
     dtype: gl.constexpr = q_bufs.dtype
     sT_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
@@ -234,8 +289,11 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_buf
                                                         instr_shape=[16, DQ_COLS, 16])
 
     b, h, _, n0 = _this_program(seqlen, H, BLOCK_N)
-    m_lo, m_mask_end, m_hi = _query_tiles(n0, seqlen, BLOCK_M, BLOCK_N, CAUSAL)
+    m_lo, inner_lo, inner_hi, m_hi = _band_query_tiles(n0, seqlen, left, right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     keys = n0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, sT_layout))
+    slope = 0.0
+    if ALIBI != 0:  # in log2 units, like the scores
+        slope = gl.load(alibi_ptr + b * stride_ab + h * stride_ah) * 1.4426950408889634
 
     mbarrier.wait(kv_bar, 0)
     k_full = k_smem.reshape([BLOCK_N, HEAD_DIM])
@@ -247,10 +305,10 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_buf
     dk = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, kv_layout)
     for m in range(m_lo, m_hi):
-        dk, dv = _consumer_step(WG, m - m_lo, m, m_mask_end, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs, dq_smem,
-                                p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc, lse_bufs,
-                                delta_bufs, b, h, keys, seqlen, qk_scale, dk, dv, sT_layout, dq_layout,
-                                BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)
+        dk, dv = _consumer_step(WG, m - m_lo, m, inner_lo, inner_hi, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs,
+                                dq_smem, p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc,
+                                lse_bufs, delta_bufs, b, h, keys, seqlen, qk_scale, left, right, slope, dk, dv,
+                                sT_layout, dq_layout, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI)
 
     # Epilogue through this warpgroup's V half: only its own dP^T wgmma read it, all retired.
     out_smem = v_smem.index(WG)
@@ -265,11 +323,14 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_buf
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["seqlen", "H"])
+# Like the forward: WINDOW, a sliding window of ``left`` keys back and ``right`` ahead (unbounded
+# sides come as 2 * seqlen); ALIBI: 0 none, 1 -slope * |i - j|, 2 slope * j (causal), slopes [B?, H].
+@gluon.jit(do_not_specialize=["seqlen", "H", "left", "right", "stride_ab", "stride_ah"])
 def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
-                                seqlen, H, qk_scale, sm_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                                STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                CAUSAL: gl.constexpr):
+                                alibi_ptr, seqlen, H, qk_scale, sm_scale, left, right, stride_ab, stride_ah,
+                                BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                                DS_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr,
+                                WINDOW: gl.constexpr, ALIBI: gl.constexpr):
     gl.static_assert(BLOCK_M == 64 or BLOCK_M == 128)
     dtype: gl.constexpr = q_desc.dtype
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
@@ -301,13 +362,15 @@ def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     gl.warp_specialize([
         (_consumer, (0, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
                       dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, seqlen, H,
-                      qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)),
+                      qk_scale, sm_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, HEAD_DIM, STAGES,
+                      DS_BUFS, CAUSAL, WINDOW, ALIBI)),
         (_consumer, (1, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
                       dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, seqlen, H,
-                      qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)),
+                      qk_scale, sm_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, HEAD_DIM, STAGES,
+                      DS_BUFS, CAUSAL, WINDOW, ALIBI)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
-                     lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqlen, H, BLOCK_M,
-                     STAGES, CAUSAL)),
+                     lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqlen, H, left, right,
+                     BLOCK_M, STAGES, CAUSAL, WINDOW)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 

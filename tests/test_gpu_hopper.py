@@ -117,8 +117,9 @@ def test_nan_in_one_query_row_stays_in_that_row():
     assert torch.equal(out[others], clean[others])
 
 
-# The forward with a sliding window and/or ALiBi (the backward of these runs the portable kernels,
-# from the fast forward's LSE): ragged windows from both corners, both ALiBi forms, every head dim.
+# The forward with a sliding window and/or ALiBi (the backward of these: the fast one at d=64/128,
+# the portable one at d=256, from the fast forward's LSE): ragged windows from both corners, both
+# ALiBi forms, every head dim.
 WINDOW_ALIBI_CASES = [
     (2, 1000, 4, 128, "b:100,0", False, torch.bfloat16),
     (1, 3000, 2, 128, "b:1024,0", False, torch.bfloat16),
@@ -154,7 +155,7 @@ def test_forward_with_window_or_alibi_against_reference(case):
 
 # Group (varlen) mode on the fast path: queries and keys share one seqstart. Sequences of one
 # row, ragged ones, one longer than the rest (most CTAs of the others exit at once); GQA, masks
-# and ALiBi. The backward takes the fast path at d = 64/128 without a window or ALiBi.
+# and ALiBi. The backward takes the fast path at d = 64/128.
 VARLEN_CASES = [
     ([1, 300, 129, 1000, 64], 128, None, False, torch.bfloat16),
     ([700, 5, 1300], 64, "b", False, torch.float16),
@@ -176,7 +177,7 @@ def test_group_mode_forward_against_reference(case):
         kwargs["alibi_slopes"] = fmha.alibi_slopes(4, device="cuda")
     inputs = check_inputs(batch.q, batch.k, batch.v, seqstart_q=starts, seqstart_k=starts, **kwargs)
     assert hopper.fwd_unsupported(inputs) is None
-    if head_dim != 256 and mask in (None, "b", "t") and not alibi:  # the fast backward: no window or ALiBi yet
+    if head_dim != 256:  # the fast backward takes group mode at d = 64/128
         assert hopper.bwd_unsupported(inputs, deterministic=False) is None
     dout = torch.randn(batch.q.shape[0], 4, head_dim, device="cuda", dtype=dtype)
     leaves = [t.detach().requires_grad_() for t in (batch.q, batch.k, batch.v)]
@@ -194,3 +195,45 @@ def test_group_mode_forward_against_reference(case):
         assert max_error(result.lse[:, lo:hi], exact_lse[0]) <= 2e-3, b
         for name, got, exact, low in zip("qkv", grads, exact_grads, low_grads):
             assert max_error(got[lo:hi], exact[0]) <= error_bound(dtype, max_error(low, exact)), f"d{name} {b}"
+
+
+# The narrow fast backward (d=64/128) with a sliding window and/or ALiBi: windows narrower than a
+# query tile, one side unbounded, ragged lengths, [B, H] slopes, causal ALiBi at d=64 (whose forward
+# is portable: the fast backward then starts from the portable forward's LSE), a single row.
+# (batch, seqlen, nhead, head_dim, mask, slopes: None, "h" [H] or "bh" [B, H], dtype)
+BWD_WINDOW_ALIBI_CASES = [
+    (2, 1000, 4, 128, "b:100,0", "h", torch.bfloat16),
+    (1, 3000, 2, 128, "b:1024,0", None, torch.bfloat16),
+    (2, 777, 4, 64, "t:200,17", "h", torch.float16),
+    (1, 1100, 2, 64, "t:0,0", "bh", torch.bfloat16),
+    (2, 600, 4, 64, "t:-1,16", None, torch.bfloat16),
+    (1, 700, 2, 128, "t:16,-1", "h", torch.float16),
+    (2, 1000, 4, 128, None, "bh", torch.bfloat16),
+    (2, 1000, 4, 128, "t", "h", torch.bfloat16),
+    (1, 1500, 2, 64, "b", "h", torch.bfloat16),
+    (2, 259, 2, 64, "b:64,63", "bh", torch.float16),
+    (3, 1, 2, 64, "t:3,2", "h", torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", BWD_WINDOW_ALIBI_CASES, ids=[
+    f"s{c[1]}-d{c[3]}-{c[4] or 'n'}-{f'alibi[{c[5]}]' if c[5] else 'plain'}-{str(c[6])[6:]}"
+    for c in BWD_WINDOW_ALIBI_CASES])
+def test_backward_with_window_or_alibi_against_reference(case):
+    batch, seqlen, nhead, head_dim, mask, slopes, dtype = case
+    q, k, v, dout, _ = _problem((batch, seqlen, nhead, nhead, head_dim, mask, dtype, "bshd"))
+    kwargs = dict(mask=mask)
+    if slopes == "h":
+        kwargs["alibi_slopes"] = fmha.alibi_slopes(nhead, device="cuda")
+    elif slopes == "bh":  # a different slope per batch and head
+        kwargs["alibi_slopes"] = fmha.alibi_slopes(nhead, device="cuda") * torch.linspace(
+            0.5, 1.5, batch, device="cuda")[:, None]
+    assert hopper.bwd_unsupported(check_inputs(q, k, v, **kwargs), deterministic=False) is None
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    grads = torch.autograd.grad(fmha.attention(*leaves, **kwargs), leaves, dout)
+
+    _, _, exact_grads = _reference(q, k, v, dout, kwargs, torch.float32)
+    _, _, low_grads = _reference(q, k, v, dout, kwargs, dtype)
+    for name, got, exact, low in zip("qkv", grads, exact_grads, low_grads):
+        assert torch.isfinite(got).all(), f"d{name}"
+        assert max_error(got, exact) <= error_bound(dtype, max_error(low, exact)), f"d{name}"

@@ -175,10 +175,12 @@ class HopperBwdConfig:
     consumer_regs: int
     maxnreg: int
     dq_cols: int = 0  # d=256 (64 keys per CTA, the warpgroups split the head dim): dQ piece width
+    windows_and_alibi: bool = True  # sliding windows and ALiBi on the fast path (not the d=256 kernel)
 
 
 HOPPER_BWD_CONFIGS: dict[int, HopperBwdConfig] = {
     64: HopperBwdConfig(128, 2, 2, 240, 168),  # 437 TFLOP/s at s=16k (bf16)
     128: HopperBwdConfig(64, 2, 2, 240, 168),  # 475 at s=16k
-    256: HopperBwdConfig(64, 2, 1, 240, 168, dq_cols=32),  # one P/dS tile pair (ds_bufs 1); 308 at s=16k
+    # one P/dS tile pair (ds_bufs 1); 308 at s=16k
+    256: HopperBwdConfig(64, 2, 1, 240, 168, dq_cols=32, windows_and_alibi=False),
 }

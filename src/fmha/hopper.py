@@ -41,9 +41,10 @@ def device_unsupported(device: torch.device) -> str | None:
     return None
 
 
-def _problem_reason(inputs: AttentionInputs, head_dims, forward: bool = False, group: bool = False) -> str | None:
-    """Why the fast path's kernels do not cover a problem; the forward's (``forward``) also take
-    sliding windows and ALiBi, and with ``group`` group mode whose queries and keys share one
+def _problem_reason(inputs: AttentionInputs, head_dims, windows_and_alibi: bool = False,
+                    group: bool = False) -> str | None:
+    """Why the fast path's kernels do not cover a problem; with ``windows_and_alibi`` they also
+    take sliding windows and ALiBi, with ``group`` group mode whose queries and keys share one
     ``seqstart``."""
     q, k = inputs.q, inputs.k
     group_rows = group and inputs.group and _shared_sequences(inputs)
@@ -57,9 +58,10 @@ def _problem_reason(inputs: AttentionInputs, head_dims, forward: bool = False, g
         (inputs.head_dim_q != inputs.head_dim_v or inputs.head_dim_q not in head_dims,
          f"head dims {sorted(head_dims)} with dq == dv only"),
         (inputs.bias is not None, "elementwise bias"),
-        (inputs.alibi_slopes is not None and not forward, "ALiBi"),
+        (inputs.alibi_slopes is not None and not windows_and_alibi, "ALiBi"),
         (inputs.dropout_p > 0, "dropout"),
-        (inputs.mask.type != MaskType.NONE and not inputs.mask.is_causal and not forward, "sliding-window mask"),
+        (inputs.mask.type != MaskType.NONE and not inputs.mask.is_causal and not windows_and_alibi,
+         "sliding-window mask"),
         (inputs.max_seqlen_q == 0 or inputs.batch * inputs.nhead_q == 0, "empty problem"),
     ]
     return next((why for failed, why in checks if failed), None)
@@ -88,8 +90,7 @@ def _slower_reason(inputs: AttentionInputs, min_seqlen: int, min_seqlen_causal: 
 
 def fwd_unsupported(inputs: AttentionInputs) -> str | None:
     """Why the Hopper forward does not run this problem, or None."""
-    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_FWD_CONFIGS, forward=True,
-                                                                    group=True)
+    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_FWD_CONFIGS, True, True)
     if reason is None:
         cfg = HOPPER_FWD_CONFIGS[inputs.head_dim_q]
         if inputs.alibi_slopes is not None and inputs.mask.is_causal and not cfg.causal_alibi:
@@ -100,9 +101,12 @@ def fwd_unsupported(inputs: AttentionInputs) -> str | None:
 
 def bwd_unsupported(inputs: AttentionInputs, deterministic: bool) -> str | None:
     """Why the Hopper backward does not run this problem, or None."""
-    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_BWD_CONFIGS, group=True)
-    if reason is None and inputs.group and inputs.head_dim_q == 256:
-        reason = "group mode backward at head dim 256"
+    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_BWD_CONFIGS, True, True)
+    if reason is None and not HOPPER_BWD_CONFIGS[inputs.head_dim_q].windows_and_alibi:
+        # everything else passed: what is left to refuse is a window, ALiBi or group mode
+        reason = _problem_reason(inputs, HOPPER_BWD_CONFIGS)
+        if reason is not None:
+            reason = f"{reason} at head dim {inputs.head_dim_q}"
     if reason is None and deterministic:
         reason = "deterministic mode (the fast path reduces dQ in arrival order)"
     return reason
@@ -136,11 +140,29 @@ def _stat_desc(t: torch.Tensor, block_m: int):
                             _smem_layout((1, block_m), t.dtype, False))
 
 
+def _window_and_alibi_args(inputs: AttentionInputs, placeholder: torch.Tensor) -> dict:
+    """The window and ALiBi arguments of the forward and the narrow backward; ``placeholder``, any
+    fp32 tensor, stands in for absent slopes (never read)."""
+    from .ops import alibi_mode
+
+    mask = inputs.mask
+    # seqlen_q == seqlen_k here, so both corners align; an unbounded side reaches past every key.
+    reach = 2 * inputs.max_seqlen_q
+    slopes = inputs.alibi_slopes
+    alibi_strides = (0, 0) if slopes is None else slopes.stride()  # [B, H], expanded over the batch
+    return dict(
+        alibi_ptr=placeholder if slopes is None else slopes,
+        left=reach if mask.left < 0 else min(mask.left, reach),
+        right=reach if mask.right < 0 else min(mask.right, reach),
+        stride_ab=alibi_strides[0], stride_ah=alibi_strides[1],
+        WINDOW=mask.type != MaskType.NONE and not mask.is_causal, ALIBI=alibi_mode(inputs)[0],
+    )
+
+
 def fwd_launch(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
     """(kernel, grid, kwargs) of the forward; ``out`` ``[B, S, H, D]`` (group mode ``[T, H, D]``) and
     ``lse`` ``[B, H, S]`` (``[H, T]``) contiguous."""
     from .kernels.hopper_fwd import ROWS_PER_CONSUMER, attention_fwd_hopper_kernel
-    from .ops import alibi_mode
 
     q, k, v = inputs.q, inputs.k, inputs.v
     if inputs.group:  # [1, T, H, D] views: sequence b is a row range of the one "batch"
@@ -150,24 +172,15 @@ def fwd_launch(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
     cfg = HOPPER_FWD_CONFIGS[head_dim]
     rows = ROWS_PER_CONSUMER.value
     grid = (triton.cdiv(seqlen, rows * cfg.consumers) * batch * nhead,)
-    mask = inputs.mask
-    # seqlen_q == seqlen_k here, so both corners align; an unbounded side reaches past every key.
-    window = mask.type != MaskType.NONE and not mask.is_causal
-    reach = 2 * seqlen
-    slopes = inputs.alibi_slopes
-    alibi_strides = (0, 0) if slopes is None else slopes.stride()  # [B, H], expanded over the batch
     kwargs = dict(
         q_desc=_desc(q, rows, head_dim), k_desc=_desc(k, cfg.block_n, head_dim),
-        v_desc=_desc(v, cfg.block_n, head_dim), o_desc=_desc(out, rows, head_dim), out_ptr=out,
-        lse_ptr=lse, alibi_ptr=lse if slopes is None else slopes,
+        v_desc=_desc(v, cfg.block_n, head_dim), o_desc=_desc(out, rows, head_dim), out_ptr=out, lse_ptr=lse,
         seqstart_ptr=inputs.seqstart_q if inputs.group else lse, seqlen=seqlen, H=nhead,
-        kv_group=inputs.nhead_q // inputs.nhead_k, qk_scale=inputs.scale * LOG2E,
-        left=reach if mask.left < 0 else min(mask.left, reach),
-        right=reach if mask.right < 0 else min(mask.right, reach),
-        stride_ab=alibi_strides[0], stride_ah=alibi_strides[1], stride_os=out.stride(1), stride_oh=out.stride(2),
-        lse_stride_b=lse_strides[0], lse_stride_h=lse_strides[1], BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
-        STAGES=cfg.stages, NUM_CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs, CAUSAL=mask.is_causal,
-        WINDOW=window, ALIBI=alibi_mode(inputs)[0], GROUP=inputs.group, num_warps=4, maxnreg=cfg.maxnreg,
+        kv_group=inputs.nhead_q // inputs.nhead_k, qk_scale=inputs.scale * LOG2E, stride_os=out.stride(1),
+        stride_oh=out.stride(2), lse_stride_b=lse_strides[0], lse_stride_h=lse_strides[1], BLOCK_N=cfg.block_n,
+        HEAD_DIM=head_dim, STAGES=cfg.stages, NUM_CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs,
+        CAUSAL=inputs.mask.is_causal, GROUP=inputs.group, num_warps=4, maxnreg=cfg.maxnreg,
+        **_window_and_alibi_args(inputs, lse),
     )
     return attention_fwd_hopper_kernel, grid, kwargs
 
@@ -236,10 +249,10 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
             dq_desc=_desc(dq_acc, 64, dq_cols, swizzle=False), lse_desc=_stat_desc(neg_lse, cfg.block_m),
             delta_desc=_stat_desc(neg_delta, cfg.block_m),
             seqstart_ptr=inputs.seqstart_q if inputs.group else neg_lse, seqlen=seqlen, H=nhead_k,
-            kv_group=kv_group, qk_scale=inputs.scale * LOG2E,
-            sm_scale=inputs.scale, BLOCK_M=cfg.block_m, HEAD_DIM=head_dim, STAGES=cfg.stages,
-            DS_BUFS=cfg.ds_bufs, CONSUMER_REGS=cfg.consumer_regs, CAUSAL=inputs.mask.is_causal,
-            GROUP=inputs.group, num_warps=4, maxnreg=cfg.maxnreg,
+            kv_group=kv_group, qk_scale=inputs.scale * LOG2E, sm_scale=inputs.scale, BLOCK_M=cfg.block_m,
+            HEAD_DIM=head_dim, STAGES=cfg.stages, DS_BUFS=cfg.ds_bufs, CONSUMER_REGS=cfg.consumer_regs,
+            CAUSAL=inputs.mask.is_causal, GROUP=inputs.group, num_warps=4, maxnreg=cfg.maxnreg,
+            **_window_and_alibi_args(inputs, neg_lse),
         )
         main = (attention_bwd_hopper_kernel, (triton.cdiv(seqlen, BLOCK_N.value) * batch * nhead_k,), narrow)
     return [

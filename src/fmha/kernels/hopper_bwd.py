@@ -18,6 +18,10 @@ head dim between the warpgroups instead): one CTA per (128-key tile, batch * hea
   accumulator (the order of those adds varies: this is the atomic mode).
 * the epilogue writes dV and ``dK * scale`` by TMA through this warpgroup's half of the V tile.
 
+A sliding window (``WINDOW``) visits only the query tiles whose rows see some of the CTA's keys,
+masked at both edges; ALiBi (``ALIBI``) adds its term to the exponent of P^T (the LSE folded into
+S^T already holds it; dS^T needs nothing more).
+
 Tensors are addressed like the forward's: 4-D descriptors over ``[B, S, H, D]``, boxes
 ``[1, rows, 1, cols]``, rows past the sequence zero-filled on load and clipped on store.
 """
@@ -119,6 +123,28 @@ def _query_tiles(n0, seqlen, BLOCK_M: gl.constexpr, KEYS: gl.constexpr, CAUSAL: 
 
 
 @gluon.jit
+def _band_query_tiles(n0, seqlen, left, right, BLOCK_M: gl.constexpr, KEYS: gl.constexpr, CAUSAL: gl.constexpr,
+                      WINDOW: gl.constexpr):
+    """(m_lo, inner_lo, inner_hi, m_hi) in query tiles for the KEYS keys from n0: it runs tiles
+    [m_lo, m_hi); those in [inner_lo, inner_hi) need no mask. A window shows row i keys
+    i - left .. i + right, so key j is seen by rows j - right .. j + left."""
+    if WINDOW:
+        last_key = gl.minimum(n0 + KEYS, seqlen) - 1
+        m_lo = gl.maximum(n0 - right, 0) // BLOCK_M
+        m_hi = gl.cdiv(gl.minimum(last_key + left + 1, seqlen), BLOCK_M)
+        # unmasked: the first row sees the last key, the last row the first (a ragged last query
+        # tile stays masked: cheap, and rows past the sequence have P = 0 anyway)
+        inner_lo = gl.cdiv(gl.maximum(n0 + KEYS - 1 - right, 0), BLOCK_M)
+        inner_hi = gl.minimum(n0 + left + 1, seqlen) // BLOCK_M
+        if n0 + KEYS > seqlen:  # keys past the sequence: every tile masked
+            inner_lo = m_hi
+    else:
+        m_lo, inner_lo, m_hi = _query_tiles(n0, seqlen, BLOCK_M, KEYS, CAUSAL)
+        inner_hi = m_hi
+    return m_lo, inner_lo, inner_hi, m_hi
+
+
+@gluon.jit
 def _group_step(it, n_m, m_lo, h, bh, kv_group):
     """(query tile, query head, batch * query heads + query head) of step ``it``: a CTA holds the
     K/V of one key/value head and runs the n_m query tiles of each of its kv_group query heads
@@ -140,12 +166,13 @@ def _init_rings(q_ready, q_empty, do_ready, do_empty, STAGES: gl.constexpr):
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
               lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqstart_ptr, seqlen, H, kv_group,
-              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr):
+              left, right, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+              GROUP: gl.constexpr):
     b, h, bh, n0 = _this_program(seqlen, H, BLOCK_N)
     bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
     # Group mode: the grid covers the longest sequence; a CTA past its sequence loads its K/V and
     # runs no query tile (the consumers then add zero dK/dV), which keeps the control flow simple.
-    m_lo, m_mask_end, m_hi = _query_tiles(n0, seqlen_b, BLOCK_M, BLOCK_N, CAUSAL)
+    m_lo, _, _, m_hi = _band_query_tiles(n0, seqlen_b, left, right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     n_k = row_base + n0
 
     # V as two 64-key halves: each is one warpgroup's operand and later its epilogue buffer.
@@ -171,11 +198,29 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_s
 
 
 @gluon.jit
-def _consumer_step(WG: gl.constexpr, it, m, m_mask_end, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs, dq_smem,
-                   p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc, lse_bufs,
-                   delta_bufs, bd, row_base, h, keys, seqlen, qk_scale, dk, dv, sT_layout: gl.constexpr,
-                   dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr):
+def _key_minus_query(keys, m0, BLOCK_M: gl.constexpr, sT_layout: gl.constexpr):
+    """key - query at every element of S^T: keys are its rows, the tile's queries its columns."""
+    return keys[:, None] - (m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, sT_layout)))[None, :]
+
+
+@gluon.jit
+def _with_alibi(scores, rel, keys, slope, ALIBI: gl.constexpr):
+    """Scores of S^T's layout plus ALiBi's term, ``slope`` in their units: ALIBI 1 -slope * |rel|
+    (``rel`` = key - query), 2 slope * key, 0 none."""
+    if ALIBI == 1:
+        scores = scores - slope * gl.abs(rel).to(gl.float32)
+    elif ALIBI == 2:  # one term per key: a row of S^T
+        scores = scores + (slope * keys.to(gl.float32))[:, None]
+    return scores
+
+
+@gluon.jit
+def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs,
+                   dq_smem, p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc, lse_bufs,
+                   delta_bufs, bd, row_base, h, keys, seqlen, qk_scale, left, right, slope, dk, dv,
+                   sT_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                   ALIBI: gl.constexpr):
     dtype: gl.constexpr = q_bufs.dtype
     s = it % STAGES
     ph = (it // STAGES) & 1
@@ -195,15 +240,25 @@ def _consumer_step(WG: gl.constexpr, it, m, m_mask_end, k_w, v_w, k_full, q_bufs
                         is_async=True)
 
     sT = warpgroup_mma_wait(1, deps=[sT])  # S^T done; dP^T may still run under the exp2
-    pT = gl.exp2(sT * qk_scale)
     # Queries past the sequence (the next sequence's rows in group mode) need no mask: their
     # padded statistics (-lse = -inf) make P^T zero.
-    if m < m_mask_end:  # uniform branch: diagonal tiles, or every tile of a ragged key tile
+    masked = m < inner_lo
+    if WINDOW:
+        masked = masked | (m >= inner_hi)
+    # Each branch derives key - query itself, the masked one before its scores: computed once
+    # for both (or ALiBi's term before the mask), it stays live beside dP^T and spills.
+    if masked:  # uniform branch: a band's edge or causal diagonal tiles, or all of a ragged key tile
+        rel = _key_minus_query(keys, m0, BLOCK_M, sT_layout)
+        scores = _with_alibi(sT * qk_scale, rel, keys, slope, ALIBI)
         keep = keys[:, None] < seqlen
-        if CAUSAL:
-            cols = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, sT_layout))
-            keep = keep & (keys[:, None] <= cols[None, :])
-        pT = gl.where(keep, pT, 0.0)
+        if WINDOW:
+            keep = keep & (rel >= -left) & (rel <= right)
+        elif CAUSAL:
+            keep = keep & (rel <= 0)
+        scores = gl.where(keep, scores, -float("inf"))
+    else:
+        scores = _with_alibi(sT * qk_scale, _key_minus_query(keys, m0, BLOCK_M, sT_layout), keys, slope, ALIBI)
+    pT = gl.exp2(scores)
     # P^T feeds dV from this warpgroup's own smem tile: as a register operand it would stay live
     # beside dP^T, dK and dV and spill.
     p_smem.store(pT.to(dtype))
@@ -249,22 +304,24 @@ def _consumer_step(WG: gl.constexpr, it, m, m_mask_end, k_w, v_w, k_full, q_bufs
 @gluon.jit
 def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs,
               lse_bufs, delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready,
-              ds_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale,
-              BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
-              CAUSAL: gl.constexpr, GROUP: gl.constexpr):
+              ds_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale, left, right, alibi_ptr, stride_ab,
+              stride_ah, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
+              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr):
     b, h, bh, n0 = _this_program(seqlen, H, BLOCK_N)
     bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
     _consumer_keys(WG, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
                    dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, h, bh, n0, bd,
-                   row_base, seqlen_b, kv_group, qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL,
-                   GROUP)
+                   b, row_base, seqlen_b, kv_group, qk_scale, sm_scale, left, right, alibi_ptr, stride_ab, stride_ah,
+                   BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP)
 
 
 @gluon.jit
 def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs,
                    lse_bufs, delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
-                   ds_ready, ds_empty, h, bh, n0, bd, row_base, seqlen, kv_group, qk_scale, sm_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                   DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr):
+                   ds_ready, ds_empty, h, bh, n0, bd, b, row_base, seqlen, kv_group, qk_scale, sm_scale, left, right,
+                   alibi_ptr, stride_ab, stride_ah, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                   ALIBI: gl.constexpr, GROUP: gl.constexpr):
     """Warpgroup WG's 64 keys of the CTA's key tile; n0, keys and seqlen are the sequence's."""
     dtype: gl.constexpr = q_bufs.dtype
     sT_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -275,7 +332,7 @@ def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, 
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLS, 16])
 
-    m_lo, m_mask_end, m_hi = _query_tiles(n0, seqlen, BLOCK_M, BLOCK_N, CAUSAL)
+    m_lo, inner_lo, inner_hi, m_hi = _band_query_tiles(n0, seqlen, left, right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     keys = n0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, sT_layout))
 
     mbarrier.wait(kv_bar, 0)
@@ -290,10 +347,14 @@ def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, 
     n_m = (m_hi - m_lo) * (n0 < seqlen).to(gl.int32)  # none past the sequence (group mode)
     for it in range(kv_group * n_m):
         m, hq, _ = _group_step(it, n_m, m_lo, h, bh, kv_group)
-        dk, dv = _consumer_step(WG, it, m, m_mask_end, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs, dq_smem,
-                                p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc, lse_bufs,
-                                delta_bufs, bd, row_base, hq, keys, seqlen, qk_scale, dk, dv, sT_layout, dq_layout,
-                                BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)
+        slope = 0.0
+        if ALIBI != 0:  # the query head's, in log2 units like the scores
+            slope = gl.load(alibi_ptr + b * stride_ab + hq * stride_ah) * 1.4426950408889634
+        dk, dv = _consumer_step(WG, it, m, inner_lo, inner_hi, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs,
+                                dq_smem, p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc,
+                                lse_bufs, delta_bufs, bd, row_base, hq, keys, seqlen, qk_scale, left, right, slope,
+                                dk, dv, sT_layout, dq_layout, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW,
+                                ALIBI)
 
     # Epilogue through this warpgroup's V half: only its own dP^T wgmma read it, all retired. In
     # group mode the rows after a ragged key tile are the next sequence's; this tile's rows there
@@ -319,11 +380,14 @@ def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, 
 
 
 # GROUP: group (varlen) mode, the tensors ``[1, T, H, D]`` views and ``seqlen`` the longest sequence.
-@gluon.jit(do_not_specialize=["seqlen", "H", "kv_group"])
+# Like the forward: WINDOW, a sliding window of ``left`` keys back and ``right`` ahead (unbounded
+# sides come as 2 * seqlen); ALIBI: 0 none, 1 -slope * |i - j|, 2 slope * j (causal), slopes [B?, H].
+@gluon.jit(do_not_specialize=["seqlen", "H", "kv_group", "left", "right", "stride_ab", "stride_ah"])
 def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
-                                seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                                alibi_ptr, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale, left, right,
+                                stride_ab, stride_ah, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                                 DS_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr,
-                                GROUP: gl.constexpr):
+                                WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr):
     gl.static_assert(BLOCK_M == 64 or BLOCK_M == 128)
     dtype: gl.constexpr = q_desc.dtype
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
@@ -355,15 +419,15 @@ def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     gl.warp_specialize([
         (_consumer, (0, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
                       delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready,
-                      ds_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale, BLOCK_M,
-                      HEAD_DIM, STAGES, DS_BUFS, CAUSAL, GROUP)),
+                      ds_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale, left, right, alibi_ptr,
+                      stride_ab, stride_ah, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP)),
         (_consumer, (1, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
                       delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready,
-                      ds_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale, BLOCK_M,
-                      HEAD_DIM, STAGES, DS_BUFS, CAUSAL, GROUP)),
+                      ds_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale, left, right, alibi_ptr,
+                      stride_ab, stride_ah, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
                      lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqstart_ptr, seqlen, H,
-                     kv_group, BLOCK_M, STAGES, CAUSAL, GROUP)),
+                     kv_group, left, right, BLOCK_M, STAGES, CAUSAL, WINDOW, GROUP)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 

@@ -189,6 +189,11 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
         grads = [torch.empty_like(q) for _ in range(3)]
         for kernel, grid, kwargs in hopper.bwd_launches(inputs, torch.empty_like(q), out, lse, *grads):
             results.append(_compile(f"{prefix} bwd {kernel.__name__}", kernel, grid, kwargs))
+        kv = torch.empty(2, 1000, 2, head_dim, dtype=dtype)  # GQA 2:1: the grouped loop (kv_group > 1)
+        grouped_heads = check_inputs(q, kv, kv, mask="t" if causal else None)
+        kernel, grid, kwargs = hopper.bwd_launches(grouped_heads, torch.empty_like(q), out, lse, torch.empty_like(q),
+                                                   torch.empty_like(kv), torch.empty_like(kv))[1]
+        results.append(_compile(f"{prefix} bwd gqa", kernel, grid, kwargs))
         if HOPPER_BWD_CONFIGS[head_dim].windows_and_alibi:
             _, (kernel, grid, kwargs), _ = hopper.bwd_launches(with_alibi, torch.empty_like(q), out, lse, *grads)
             results.append(_compile(f"{prefix} bwd {kernel.__name__} {alibi}", kernel, grid, kwargs))

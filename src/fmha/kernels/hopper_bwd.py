@@ -149,6 +149,8 @@ def _group_step(it, n_m, m_lo, h, bh, kv_group):
     """(query tile, query head, batch * query heads + query head) of step ``it``: a CTA holds the
     K/V of one key/value head and runs the n_m query tiles of each of its kv_group query heads
     (GQA/MQA; 1 otherwise) in turn, so dK/dV sum over the group in registers."""
+    if kv_group == 1:  # specialized at launch: the plain loop
+        return m_lo + it, h, bh
     g = it // n_m
     return m_lo + it % n_m, h * kv_group + g, bh * kv_group + g
 
@@ -345,11 +347,12 @@ def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, 
     dk = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, kv_layout)
     n_m = (m_hi - m_lo) * (n0 < seqlen).to(gl.int32)  # none past the sequence (group mode)
+    slope = 0.0  # ALiBi's, in log2 units like the scores
     for it in range(kv_group * n_m):
         m, hq, _ = _group_step(it, n_m, m_lo, h, bh, kv_group)
-        slope = 0.0
-        if ALIBI != 0:  # the query head's, in log2 units like the scores
-            slope = gl.load(alibi_ptr + b * stride_ab + hq * stride_ah) * 1.4426950408889634
+        if ALIBI != 0:
+            if it % n_m == 0:  # a new query head of the group: its slope
+                slope = gl.load(alibi_ptr + b * stride_ab + hq * stride_ah) * 1.4426950408889634
         dk, dv = _consumer_step(WG, it, m, inner_lo, inner_hi, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs,
                                 dq_smem, p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc,
                                 lse_bufs, delta_bufs, bd, row_base, hq, keys, seqlen, qk_scale, left, right, slope,
@@ -382,7 +385,8 @@ def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, 
 # GROUP: group (varlen) mode, the tensors ``[1, T, H, D]`` views and ``seqlen`` the longest sequence.
 # Like the forward: WINDOW, a sliding window of ``left`` keys back and ``right`` ahead (unbounded
 # sides come as 2 * seqlen); ALIBI: 0 none, 1 -slope * |i - j|, 2 slope * j (causal), slopes [B?, H].
-@gluon.jit(do_not_specialize=["seqlen", "H", "kv_group", "left", "right", "stride_ab", "stride_ah"])
+# kv_group stays specialized: 1 (no GQA) compiles the plain loop, every other ratio one more kernel.
+@gluon.jit(do_not_specialize=["seqlen", "H", "left", "right", "stride_ab", "stride_ah"])
 def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
                                 alibi_ptr, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale, left, right,
                                 stride_ab, stride_ah, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,

@@ -241,18 +241,20 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
         )
         main = (attention_bwd_hopper_wide_kernel, (triton.cdiv(seqlen, WIDE_KEYS.value) * batch * nhead_k,), wide)
     else:
-        dq_cols = head_dim if cfg.block_m == 128 else head_dim // 2
+        features = _window_and_alibi_args(inputs, neg_lse)
+        block_m = cfg.block_m_for(inputs.group or features["WINDOW"] or features["ALIBI"] != 0)
+        dq_cols = head_dim if block_m == 128 else head_dim // 2
         narrow = dict(
-            q_desc=_desc(q, cfg.block_m, head_dim), k_desc=_desc(k, BLOCK_N.value, head_dim),
-            v_desc=_desc(v, WG_KEYS.value, head_dim), do_desc=_desc(dout, cfg.block_m, head_dim),
+            q_desc=_desc(q, block_m, head_dim), k_desc=_desc(k, BLOCK_N.value, head_dim),
+            v_desc=_desc(v, WG_KEYS.value, head_dim), do_desc=_desc(dout, block_m, head_dim),
             dk_desc=_desc(dk, WG_KEYS.value, head_dim), dv_desc=_desc(dv, WG_KEYS.value, head_dim),
-            dq_desc=_desc(dq_acc, 64, dq_cols, swizzle=False), lse_desc=_stat_desc(neg_lse, cfg.block_m),
-            delta_desc=_stat_desc(neg_delta, cfg.block_m),
+            dq_desc=_desc(dq_acc, 64, dq_cols, swizzle=False), lse_desc=_stat_desc(neg_lse, block_m),
+            delta_desc=_stat_desc(neg_delta, block_m),
             seqstart_ptr=inputs.seqstart_q if inputs.group else neg_lse, seqlen=seqlen, H=nhead_k,
-            kv_group=kv_group, qk_scale=inputs.scale * LOG2E, sm_scale=inputs.scale, BLOCK_M=cfg.block_m,
+            kv_group=kv_group, qk_scale=inputs.scale * LOG2E, sm_scale=inputs.scale, BLOCK_M=block_m,
             HEAD_DIM=head_dim, STAGES=cfg.stages, DS_BUFS=cfg.ds_bufs, CONSUMER_REGS=cfg.consumer_regs,
             CAUSAL=inputs.mask.is_causal, GROUP=inputs.group, num_warps=4, maxnreg=cfg.maxnreg,
-            **_window_and_alibi_args(inputs, neg_lse),
+            **features,
         )
         main = (attention_bwd_hopper_kernel, (triton.cdiv(seqlen, BLOCK_N.value) * batch * nhead_k,), narrow)
     return [

@@ -103,12 +103,16 @@ def build_cases() -> list[Case]:
         group("group [65,130]/[70,129] h2 d32 fp32 alibi window dropout", [65, 130], [70, 129], 2, 2, 32, 32, F32,
               13, mask="b:16,4", alibi_slopes=slopes2, dropout_p=0.1, seed=7, offset=8),
         # The Hopper fast path's kernels (on other devices these run the portable ones): TMA
-        # boxes past ragged ends, a single row, GQA in the forward.
+        # boxes past ragged ends, a single row, GQA in the forward, windows and ALiBi.
         batch("fast path b2 s259 h4 d128 bf16", 2, 259, 259, 4, 4, 128, 128, BF16, 14),
         batch("fast path b1 s1 h2 d64 fp16 causal", 1, 1, 1, 2, 2, 64, 64, F16, 15, mask="t"),
         batch("fast path b1 s333 h2 d64 bf16 causal", 1, 333, 333, 2, 2, 64, 64, BF16, 16, mask="b"),
         batch("fast path b3 s200 h6:2 d256 fp16 causal", 3, 200, 200, 6, 2, 256, 256, F16, 17, mask="b"),
         batch("fast path b2 s259 h2 d256 bf16 causal", 2, 259, 259, 2, 2, 256, 256, BF16, 18, mask="t"),
+        batch("fast path b2 s259 h2 d64 bf16 window alibi[b,h]", 2, 259, 259, 2, 2, 64, 64, BF16, 19,
+              mask="t:100,17", alibi_slopes=torch.stack([slopes2, slopes2.flip(0)])),
+        batch("fast path b1 s333 h2 d128 fp16 alibi causal", 1, 333, 333, 2, 2, 128, 128, F16, 20, mask="b",
+              alibi_slopes=slopes2),
     ]
 
 

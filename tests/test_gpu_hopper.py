@@ -11,7 +11,7 @@ import torch
 import fmha
 from fmha import hopper
 from fmha.inputs import check_inputs
-from fmha.testing import error_bound, max_error, random_qkv
+from fmha.testing import error_bound, max_error, random_qkv, random_varlen
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")]
@@ -33,6 +33,9 @@ CASES = [
     (3, 1, 4, 4, 64, "t", torch.bfloat16, "bshd"),
     (1, 517, 8, 2, 128, "t", torch.bfloat16, "bshd"),
     (2, 300, 4, 1, 256, None, torch.float16, "bshd"),
+    (2, 1000, 8, 1, 64, "t", torch.bfloat16, "bshd"),
+    (1, 700, 6, 2, 128, None, torch.float16, "bhsd"),
+    (1, 640, 4, 2, 256, "b", torch.bfloat16, "strided"),
     (1, 1100, 4, 4, 256, "t", torch.bfloat16, "strided"),
     (2, 259, 2, 2, 256, None, torch.bfloat16, "bshd"),
     (1, 640, 3, 3, 256, "b", torch.float16, "bhsd"),
@@ -62,11 +65,8 @@ def test_fast_path_takes_these_problems(case):
     q, k, v, _, kwargs = _problem(case)
     inputs = check_inputs(q, k, v, **kwargs)
     assert hopper.fwd_unsupported(inputs) is None
-    _, _, nhead_q, nhead_k, head_dim, _, _, _ = case
-    reason = hopper.bwd_unsupported(inputs, deterministic=False)
-    assert (reason is None) == (nhead_q == nhead_k), reason
-    if reason is None:
-        assert hopper.bwd_unsupported(inputs, deterministic=True).startswith("deterministic mode")
+    assert hopper.bwd_unsupported(inputs, deterministic=False) is None
+    assert hopper.bwd_unsupported(inputs, deterministic=True).startswith("deterministic mode")
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -117,8 +117,9 @@ def test_nan_in_one_query_row_stays_in_that_row():
     assert torch.equal(out[others], clean[others])
 
 
-# The forward with a sliding window and/or ALiBi (the backward of these runs the portable kernels,
-# from the fast forward's LSE): ragged windows from both corners, both ALiBi forms, every head dim.
+# The forward with a sliding window and/or ALiBi (the backward of these: the fast one at d=64/128,
+# the portable one at d=256, from the fast forward's LSE): ragged windows from both corners, both
+# ALiBi forms, every head dim.
 WINDOW_ALIBI_CASES = [
     (2, 1000, 4, 128, "b:100,0", False, torch.bfloat16),
     (1, 3000, 2, 128, "b:1024,0", False, torch.bfloat16),
@@ -149,4 +150,90 @@ def test_forward_with_window_or_alibi_against_reference(case):
     assert max_error(result.out, exact_out) <= error_bound(dtype, max_error(low_out, exact_out))
     assert max_error(result.lse, exact_lse) <= 2e-3
     for name, got, exact, low in zip("qkv", grads, exact_grads, low_grads):
+        assert max_error(got, exact) <= error_bound(dtype, max_error(low, exact)), f"d{name}"
+
+
+# Group (varlen) mode on the fast path: queries and keys share one seqstart. Sequences of one
+# row, ragged ones, one longer than the rest (most CTAs of the others exit at once); GQA, masks
+# and ALiBi. The backward takes the fast path at d = 64/128.
+VARLEN_CASES = [
+    ([1, 300, 129, 1000, 64], 128, None, False, torch.bfloat16),
+    ([700, 5, 1300], 64, "b", False, torch.float16),
+    ([700, 5, 1300, 129], 64, None, False, torch.bfloat16),
+    ([256, 511, 90], 256, "b:100,0", False, torch.bfloat16),
+    ([400, 1000, 33], 128, "t", True, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=[
+    f"{len(c[0])}seq-d{c[1]}-{c[2] or 'n'}-{'alibi' if c[3] else 'plain'}-{str(c[4])[6:]}" for c in VARLEN_CASES])
+def test_group_mode_forward_against_reference(case):
+    lengths, head_dim, mask, alibi, dtype = case
+    batch = random_varlen(lengths, lengths, 4, 2, head_dim, head_dim, dtype=dtype, device="cuda",
+                          generator=torch.Generator().manual_seed(len(lengths)))
+    starts = batch.seqstart_q
+    kwargs = dict(mask=mask)
+    if alibi:
+        kwargs["alibi_slopes"] = fmha.alibi_slopes(4, device="cuda")
+    inputs = check_inputs(batch.q, batch.k, batch.v, seqstart_q=starts, seqstart_k=starts, **kwargs)
+    assert hopper.fwd_unsupported(inputs) is None
+    if head_dim != 256:  # the fast backward takes group mode at d = 64/128
+        assert hopper.bwd_unsupported(inputs, deterministic=False) is None
+    dout = torch.randn(batch.q.shape[0], 4, head_dim, device="cuda", dtype=dtype)
+    leaves = [t.detach().requires_grad_() for t in (batch.q, batch.k, batch.v)]
+    result = fmha.fwd(*leaves, seqstart_q=starts, seqstart_k=starts, **kwargs, return_lse=True)
+    out = fmha.attention_varlen(*leaves, starts, starts, **kwargs)
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert torch.equal(result.out, out.detach())
+    bounds = starts.tolist()
+    for b, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        one = [t[lo:hi].unsqueeze(0) for t in (batch.q, batch.k, batch.v)]
+        seq_kwargs = dict(kwargs, alibi_slopes=kwargs["alibi_slopes"][None]) if alibi else kwargs
+        exact_out, exact_lse, exact_grads = _reference(*one, dout[lo:hi].unsqueeze(0), seq_kwargs, torch.float32)
+        low_out, _, low_grads = _reference(*one, dout[lo:hi].unsqueeze(0), seq_kwargs, dtype)
+        assert max_error(result.out[lo:hi], exact_out[0]) <= error_bound(dtype, max_error(low_out, exact_out)), b
+        assert max_error(result.lse[:, lo:hi], exact_lse[0]) <= 2e-3, b
+        for name, got, exact, low in zip("qkv", grads, exact_grads, low_grads):
+            assert max_error(got[lo:hi], exact[0]) <= error_bound(dtype, max_error(low, exact)), f"d{name} {b}"
+
+
+# The narrow fast backward (d=64/128) with a sliding window and/or ALiBi: windows narrower than a
+# query tile, one side unbounded, ragged lengths, [B, H] slopes, causal ALiBi at d=64 (whose forward
+# is portable: the fast backward then starts from the portable forward's LSE), a single row.
+# (batch, seqlen, nhead, head_dim, mask, slopes: None, "h" [H] or "bh" [B, H], dtype)
+BWD_WINDOW_ALIBI_CASES = [
+    (2, 1000, 4, 128, "b:100,0", "h", torch.bfloat16),
+    (1, 3000, 2, 128, "b:1024,0", None, torch.bfloat16),
+    (2, 777, 4, 64, "t:200,17", "h", torch.float16),
+    (1, 1100, 2, 64, "t:0,0", "bh", torch.bfloat16),
+    (2, 600, 4, 64, "t:-1,16", None, torch.bfloat16),
+    (1, 700, 2, 128, "t:16,-1", "h", torch.float16),
+    (2, 1000, 4, 128, None, "bh", torch.bfloat16),
+    (2, 1000, 4, 128, "t", "h", torch.bfloat16),
+    (1, 1500, 2, 64, "b", "h", torch.bfloat16),
+    (2, 259, 2, 64, "b:64,63", "bh", torch.float16),
+    (3, 1, 2, 64, "t:3,2", "h", torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", BWD_WINDOW_ALIBI_CASES, ids=[
+    f"s{c[1]}-d{c[3]}-{c[4] or 'n'}-{f'alibi[{c[5]}]' if c[5] else 'plain'}-{str(c[6])[6:]}"
+    for c in BWD_WINDOW_ALIBI_CASES])
+def test_backward_with_window_or_alibi_against_reference(case):
+    batch, seqlen, nhead, head_dim, mask, slopes, dtype = case
+    q, k, v, dout, _ = _problem((batch, seqlen, nhead, nhead, head_dim, mask, dtype, "bshd"))
+    kwargs = dict(mask=mask)
+    if slopes == "h":
+        kwargs["alibi_slopes"] = fmha.alibi_slopes(nhead, device="cuda")
+    elif slopes == "bh":  # a different slope per batch and head
+        kwargs["alibi_slopes"] = fmha.alibi_slopes(nhead, device="cuda") * torch.linspace(
+            0.5, 1.5, batch, device="cuda")[:, None]
+    assert hopper.bwd_unsupported(check_inputs(q, k, v, **kwargs), deterministic=False) is None
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    grads = torch.autograd.grad(fmha.attention(*leaves, **kwargs), leaves, dout)
+
+    _, _, exact_grads = _reference(q, k, v, dout, kwargs, torch.float32)
+    _, _, low_grads = _reference(q, k, v, dout, kwargs, dtype)
+    for name, got, exact, low in zip("qkv", grads, exact_grads, low_grads):
+        assert torch.isfinite(got).all(), f"d{name}"
         assert max_error(got, exact) <= error_bound(dtype, max_error(low, exact)), f"d{name}"

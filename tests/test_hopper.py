@@ -56,11 +56,15 @@ def test_causal_alibi_at_d64_is_left_to_the_portable_forward(monkeypatch):
     assert hopper.fwd_unsupported(check_inputs(q, q, q, alibi_slopes=slopes)) is None
 
 
-def test_group_mode_is_left_to_the_portable_kernels():
+def test_group_mode_takes_the_fast_path_when_queries_and_keys_share_their_sequences():
     q = torch.empty(100, 4, 64, dtype=torch.bfloat16)
     starts = torch.tensor([0, 40, 100], dtype=torch.int32)
     inputs = check_inputs(q, q, q, seqstart_q=starts, seqstart_k=starts)
+    assert hopper._problem_reason(inputs, hopper.HOPPER_FWD_CONFIGS, windows_and_alibi=True, group=True) is None
+    assert hopper._problem_reason(inputs, hopper.HOPPER_BWD_CONFIGS, group=True) is None
     assert hopper._problem_reason(inputs, hopper.HOPPER_FWD_CONFIGS) == "group (varlen) mode"
+    other = check_inputs(q, q, q, seqstart_q=starts, seqstart_k=starts.clone())
+    assert hopper._problem_reason(other, hopper.HOPPER_FWD_CONFIGS, group=True).startswith("group mode without")
 
 
 def test_portable_switch(monkeypatch):
@@ -90,3 +94,61 @@ def test_short_backward_stays_on_the_fast_path(monkeypatch):
     _on_cuda(monkeypatch)
     short = torch.empty(1, 1024, 2, 64, dtype=torch.bfloat16)
     assert hopper.bwd_unsupported(check_inputs(short, short, short, mask="t"), False) is None
+
+
+@pytest.mark.parametrize("nhead_k", [1, 2])
+def test_gqa_and_mqa_backward_take_the_fast_path(monkeypatch, nhead_k):
+    _on_cuda(monkeypatch)
+    assert hopper.bwd_unsupported(_inputs(nhead_k=nhead_k), deterministic=False) is None
+
+
+def test_group_mode_backward_at_d256_is_left_to_the_portable_kernels(monkeypatch):
+    _on_cuda(monkeypatch)
+    starts = torch.tensor([0, 40, 100], dtype=torch.int32)
+    wide = torch.empty(100, 4, 256, dtype=torch.bfloat16)
+    assert hopper.bwd_unsupported(check_inputs(wide, wide, wide, seqstart_q=starts, seqstart_k=starts),
+                                  False) == "group (varlen) mode at head dim 256"
+    spare = torch.empty(120, 4, 64, dtype=torch.bfloat16)  # 20 rows after the last sequence
+    assert hopper.bwd_unsupported(check_inputs(spare, spare, spare, seqstart_q=starts, seqstart_k=starts),
+                                  False) is None
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kwargs", [dict(alibi_slopes=torch.ones(4)), dict(mask="t:16,0"), dict(mask="b:100,7"),
+                                    dict(mask="t:-1,16"), dict(mask="t", alibi_slopes=torch.ones(4)),
+                                    dict(mask="b:1024,0", alibi_slopes=torch.ones(2, 4))])
+def test_the_narrow_backward_takes_windows_and_alibi(monkeypatch, head_dim, kwargs):
+    _on_cuda(monkeypatch)
+    inputs = _inputs(head_dim=head_dim, **kwargs)
+    assert hopper.bwd_unsupported(inputs, deterministic=False) is None
+    assert hopper.bwd_unsupported(inputs, deterministic=True).startswith("deterministic mode")
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(alibi_slopes=torch.ones(4)), "ALiBi at head dim 256"),
+    (dict(mask="t", alibi_slopes=torch.ones(4)), "ALiBi at head dim 256"),
+    (dict(mask="b:100,0"), "sliding-window mask at head dim 256"),
+])
+def test_the_d256_backward_leaves_windows_and_alibi_to_the_portable_kernels(monkeypatch, kwargs, reason):
+    _on_cuda(monkeypatch)
+    assert hopper.bwd_unsupported(_inputs(head_dim=256, **kwargs), deterministic=False) == reason
+    assert hopper.fwd_unsupported(_inputs(head_dim=256, **kwargs)) is None
+
+
+def test_gqa_backward_with_a_window_and_alibi_takes_the_fast_path(monkeypatch):
+    _on_cuda(monkeypatch)
+    inputs = _inputs(nhead_k=2, mask="b:100,0", alibi_slopes=torch.ones(4))
+    assert hopper.bwd_unsupported(inputs, deterministic=False) is None
+
+
+def test_forward_and_backward_pass_the_same_window_and_alibi_arguments():
+    q = torch.empty(2, 300, 4, 64, dtype=torch.bfloat16)
+    inputs = check_inputs(q, q, q, mask="t:-1,16", alibi_slopes=torch.ones(4))
+    out, lse = torch.empty_like(q), torch.empty(inputs.lse_shape)
+    _, _, fwd = hopper.fwd_launch(inputs, out, lse)
+    grads = [torch.empty_like(q) for _ in range(3)]
+    _, (_, _, bwd), _ = hopper.bwd_launches(inputs, torch.empty_like(q), out, lse, *grads)
+    expected = dict(left=600, right=16, stride_ab=0, stride_ah=1, WINDOW=True, ALIBI=1)
+    for kwargs in (fwd, bwd):
+        assert {name: kwargs[name] for name in expected} == expected
+        assert kwargs["alibi_ptr"] is inputs.alibi_slopes

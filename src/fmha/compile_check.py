@@ -159,30 +159,50 @@ def _hopper_name(dtype, head_dim: int, causal: bool) -> str:
 
 
 def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
-    """The Hopper fast path's launches: the Gluon forward (also with ALiBi, and without a causal
-    mask a sliding window with ALiBi), and the backward's three kernels where the head dim has a
-    backward config."""
+    """The Hopper fast path's launches: the Gluon forward and the backward's three kernels where
+    the head dim has a backward config; the forward and the backward's main kernel also with ALiBi
+    (and without a causal mask a sliding window with ALiBi) where they take it, and in group mode."""
     prefix = _hopper_name(dtype, head_dim, causal)
     q = torch.empty(2, 1000, 4, head_dim, dtype=dtype)  # a ragged length: nothing specializes on it
     k, v = torch.empty_like(q), torch.empty_like(q)
     inputs = check_inputs(q, k, v, mask="t" if causal else None)
+    with_alibi = check_inputs(q, k, v, mask="t" if causal else "b:100,0", alibi_slopes=torch.ones(4))
+    alibi = "alibi" if causal else "window alibi"
     out, lse = torch.empty_like(q), torch.empty(inputs.lse_shape, dtype=torch.float32)
     kernel, grid, kwargs = hopper.fwd_launch(inputs, out, lse)
     results = [_compile(f"{prefix} fwd", kernel, grid, kwargs)]
     if HOPPER_FWD_CONFIGS[head_dim].causal_alibi or not causal:
-        with_alibi = check_inputs(q, k, v, mask="t" if causal else "b:100,0", alibi_slopes=torch.ones(4))
         kernel, grid, kwargs = hopper.fwd_launch(with_alibi, out, lse)
-        results.append(_compile(f"{prefix} fwd {'alibi' if causal else 'window alibi'}", kernel, grid, kwargs))
+        results.append(_compile(f"{prefix} fwd {alibi}", kernel, grid, kwargs))
+    packed = torch.empty(1000, 4, head_dim, dtype=dtype)  # group mode: two sequences, one seqstart
+    starts = torch.tensor([0, 400, 1000], dtype=torch.int32)
+    grouped = check_inputs(packed, packed, packed, seqstart_q=starts, seqstart_k=starts, mask="t" if causal else None)
+    kernel, grid, kwargs = hopper.fwd_launch(grouped, torch.empty_like(packed),
+                                             torch.empty(grouped.lse_shape, dtype=torch.float32))
+    results.append(_compile(f"{prefix} fwd group", kernel, grid, kwargs))
+    if head_dim != 256:  # the group-mode backward (main kernel; the other two are the same)
+        grads = [torch.empty_like(packed) for _ in range(3)]
+        kernel, grid, kwargs = hopper.bwd_launches(grouped, torch.empty_like(packed), torch.empty_like(packed),
+                                                   torch.empty(grouped.lse_shape, dtype=torch.float32), *grads)[1]
+        results.append(_compile(f"{prefix} bwd group", kernel, grid, kwargs))
     if head_dim in HOPPER_BWD_CONFIGS:
         grads = [torch.empty_like(q) for _ in range(3)]
         for kernel, grid, kwargs in hopper.bwd_launches(inputs, torch.empty_like(q), out, lse, *grads):
             results.append(_compile(f"{prefix} bwd {kernel.__name__}", kernel, grid, kwargs))
+        kv = torch.empty(2, 1000, 2, head_dim, dtype=dtype)  # GQA 2:1: the grouped loop (kv_group > 1)
+        grouped_heads = check_inputs(q, kv, kv, mask="t" if causal else None)
+        kernel, grid, kwargs = hopper.bwd_launches(grouped_heads, torch.empty_like(q), out, lse, torch.empty_like(q),
+                                                   torch.empty_like(kv), torch.empty_like(kv))[1]
+        results.append(_compile(f"{prefix} bwd gqa", kernel, grid, kwargs))
+        if HOPPER_BWD_CONFIGS[head_dim].windows_and_alibi:
+            _, (kernel, grid, kwargs), _ = hopper.bwd_launches(with_alibi, torch.empty_like(q), out, lse, *grads)
+            results.append(_compile(f"{prefix} bwd {kernel.__name__} {alibi}", kernel, grid, kwargs))
     return results
 
 
 def _report(res: Result) -> None:
     status = "ok  " if res.ok else "FAIL" if not res.launches else "SPILL"
-    print(f"{status} {res.name:72s} regs={res.registers:3d} spill={res.spill_bytes:5d}B "
+    print(f"{status} {res.name:75s} regs={res.registers:3d} spill={res.spill_bytes:5d}B "
           f"smem={res.shared:6d}B {res.error}", flush=True)
 
 

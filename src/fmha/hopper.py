@@ -41,16 +41,20 @@ def device_unsupported(device: torch.device) -> str | None:
     return None
 
 
-def _problem_reason(inputs: AttentionInputs, head_dims, windows_and_alibi: bool = False) -> str | None:
-    """Why the fast path's kernels do not cover a problem; the forward's (``windows_and_alibi``)
-    also take sliding windows and ALiBi."""
+def _problem_reason(inputs: AttentionInputs, head_dims, windows_and_alibi: bool = False,
+                    group: bool = False) -> str | None:
+    """Why the fast path's kernels do not cover a problem; with ``windows_and_alibi`` they also
+    take sliding windows and ALiBi, with ``group`` group mode whose queries and keys share one
+    ``seqstart``."""
     q, k = inputs.q, inputs.k
+    group_rows = group and inputs.group and _shared_sequences(inputs)
     checks = [
         (q.dtype not in (torch.float16, torch.bfloat16), "fp16 and bf16 only"),
-        (inputs.group, "group (varlen) mode"),
+        (inputs.group and not group, "group (varlen) mode"),
+        (inputs.group and not group_rows, "group mode without one seqstart shared by queries and keys, or padded"),
         (inputs.cu_seqlen_q is not None or inputs.cu_seqlen_k is not None or inputs.seqlen_k is not None,
          "per-batch sequence lengths"),
-        (q.shape[1] != k.shape[1], "seqlen_q != seqlen_k"),
+        (not inputs.group and q.shape[1] != k.shape[1], "seqlen_q != seqlen_k"),
         (inputs.head_dim_q != inputs.head_dim_v or inputs.head_dim_q not in head_dims,
          f"head dims {sorted(head_dims)} with dq == dv only"),
         (inputs.bias is not None, "elementwise bias"),
@@ -58,9 +62,17 @@ def _problem_reason(inputs: AttentionInputs, head_dims, windows_and_alibi: bool 
         (inputs.dropout_p > 0, "dropout"),
         (inputs.mask.type != MaskType.NONE and not inputs.mask.is_causal and not windows_and_alibi,
          "sliding-window mask"),
-        (q.shape[1] == 0 or inputs.batch * inputs.nhead_q == 0, "empty problem"),
+        (inputs.max_seqlen_q == 0 or inputs.batch * inputs.nhead_q == 0, "empty problem"),
     ]
     return next((why for failed, why in checks if failed), None)
+
+
+def _shared_sequences(inputs: AttentionInputs) -> bool:
+    """Group mode whose queries and keys are the same sequences (one ``seqstart`` tensor, checked
+    without reading it) and whose rows are not padded."""
+    q_starts, k_starts = inputs.seqstart_q, inputs.seqstart_k
+    return (q_starts.data_ptr() == k_starts.data_ptr() and q_starts.shape == k_starts.shape
+            and inputs.seqstart_padded_q is None and inputs.seqstart_padded_k is None)
 
 
 def _slower_reason(inputs: AttentionInputs, min_seqlen: int, min_seqlen_causal: int) -> str | None:
@@ -69,7 +81,7 @@ def _slower_reason(inputs: AttentionInputs, min_seqlen: int, min_seqlen_causal: 
         return None
     causal = inputs.mask.is_causal
     shortest = min_seqlen_causal if causal else min_seqlen
-    if inputs.q.shape[1] < shortest:
+    if inputs.max_seqlen_q < shortest:
         kind = "causal " if causal else ""
         return (f"d={inputs.head_dim_q} {kind}sequences under {shortest} tokens: the portable kernels "
                 "measured faster there (FMHA_PORTABLE=0 forces the fast path)")
@@ -78,7 +90,7 @@ def _slower_reason(inputs: AttentionInputs, min_seqlen: int, min_seqlen_causal: 
 
 def fwd_unsupported(inputs: AttentionInputs) -> str | None:
     """Why the Hopper forward does not run this problem, or None."""
-    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_FWD_CONFIGS, True)
+    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_FWD_CONFIGS, True, True)
     if reason is None:
         cfg = HOPPER_FWD_CONFIGS[inputs.head_dim_q]
         if inputs.alibi_slopes is not None and inputs.mask.is_causal and not cfg.causal_alibi:
@@ -89,11 +101,14 @@ def fwd_unsupported(inputs: AttentionInputs) -> str | None:
 
 def bwd_unsupported(inputs: AttentionInputs, deterministic: bool) -> str | None:
     """Why the Hopper backward does not run this problem, or None."""
-    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_BWD_CONFIGS)
+    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_BWD_CONFIGS, True, True)
+    if reason is None and not HOPPER_BWD_CONFIGS[inputs.head_dim_q].windows_and_alibi:
+        # everything else passed: what is left to refuse is a window, ALiBi or group mode
+        reason = _problem_reason(inputs, HOPPER_BWD_CONFIGS)
+        if reason is not None:
+            reason = f"{reason} at head dim {inputs.head_dim_q}"
     if reason is None and deterministic:
         reason = "deterministic mode (the fast path reduces dQ in arrival order)"
-    if reason is None and inputs.nhead_q != inputs.nhead_k:
-        reason = "GQA/MQA backward"
     return reason
 
 
@@ -125,38 +140,55 @@ def _stat_desc(t: torch.Tensor, block_m: int):
                             _smem_layout((1, block_m), t.dtype, False))
 
 
-def fwd_launch(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
-    """(kernel, grid, kwargs) of the forward; ``out`` ``[B, S, H, D]``, ``lse`` ``[B, H, S]`` contiguous."""
-    from .kernels.hopper_fwd import ROWS_PER_CONSUMER, attention_fwd_hopper_kernel
+def _window_and_alibi_args(inputs: AttentionInputs, placeholder: torch.Tensor) -> dict:
+    """The window and ALiBi arguments of the forward and the narrow backward; ``placeholder``, any
+    fp32 tensor, stands in for absent slopes (never read)."""
     from .ops import alibi_mode
 
-    batch, seqlen, nhead, head_dim = inputs.q.shape
+    mask = inputs.mask
+    # seqlen_q == seqlen_k here, so both corners align; an unbounded side reaches past every key.
+    reach = 2 * inputs.max_seqlen_q
+    slopes = inputs.alibi_slopes
+    alibi_strides = (0, 0) if slopes is None else slopes.stride()  # [B, H], expanded over the batch
+    return dict(
+        alibi_ptr=placeholder if slopes is None else slopes,
+        left=reach if mask.left < 0 else min(mask.left, reach),
+        right=reach if mask.right < 0 else min(mask.right, reach),
+        stride_ab=alibi_strides[0], stride_ah=alibi_strides[1],
+        WINDOW=mask.type != MaskType.NONE and not mask.is_causal, ALIBI=alibi_mode(inputs)[0],
+    )
+
+
+def fwd_launch(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
+    """(kernel, grid, kwargs) of the forward; ``out`` ``[B, S, H, D]`` (group mode ``[T, H, D]``) and
+    ``lse`` ``[B, H, S]`` (``[H, T]``) contiguous."""
+    from .kernels.hopper_fwd import ROWS_PER_CONSUMER, attention_fwd_hopper_kernel
+
+    q, k, v = inputs.q, inputs.k, inputs.v
+    if inputs.group:  # [1, T, H, D] views: sequence b is a row range of the one "batch"
+        q, k, v, out = (t.unsqueeze(0) for t in (q, k, v, out))
+    batch, seqlen, nhead, head_dim = inputs.batch, inputs.max_seqlen_q, inputs.nhead_q, inputs.head_dim_q
+    lse_strides = (0, lse.stride(0)) if inputs.group else (lse.stride(0), lse.stride(1))
     cfg = HOPPER_FWD_CONFIGS[head_dim]
     rows = ROWS_PER_CONSUMER.value
     grid = (triton.cdiv(seqlen, rows * cfg.consumers) * batch * nhead,)
-    mask = inputs.mask
-    # seqlen_q == seqlen_k here, so both corners align; an unbounded side reaches past every key.
-    window = mask.type != MaskType.NONE and not mask.is_causal
-    reach = 2 * seqlen
-    slopes = inputs.alibi_slopes
-    alibi_strides = (0, 0) if slopes is None else slopes.stride()  # [B, H], expanded over the batch
     kwargs = dict(
-        q_desc=_desc(inputs.q, rows, head_dim), k_desc=_desc(inputs.k, cfg.block_n, head_dim),
-        v_desc=_desc(inputs.v, cfg.block_n, head_dim), o_desc=_desc(out, rows, head_dim),
-        lse_ptr=lse, alibi_ptr=lse if slopes is None else slopes, seqlen=seqlen, H=nhead,
-        kv_group=inputs.nhead_q // inputs.nhead_k, qk_scale=inputs.scale * LOG2E,
-        left=reach if mask.left < 0 else min(mask.left, reach),
-        right=reach if mask.right < 0 else min(mask.right, reach),
-        stride_ab=alibi_strides[0], stride_ah=alibi_strides[1], BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
-        STAGES=cfg.stages, NUM_CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs, CAUSAL=mask.is_causal,
-        WINDOW=window, ALIBI=alibi_mode(inputs)[0], num_warps=4, maxnreg=cfg.maxnreg,
+        q_desc=_desc(q, rows, head_dim), k_desc=_desc(k, cfg.block_n, head_dim),
+        v_desc=_desc(v, cfg.block_n, head_dim), o_desc=_desc(out, rows, head_dim), out_ptr=out, lse_ptr=lse,
+        seqstart_ptr=inputs.seqstart_q if inputs.group else lse, seqlen=seqlen, H=nhead,
+        kv_group=inputs.nhead_q // inputs.nhead_k, qk_scale=inputs.scale * LOG2E, stride_os=out.stride(1),
+        stride_oh=out.stride(2), lse_stride_b=lse_strides[0], lse_stride_h=lse_strides[1], BLOCK_N=cfg.block_n,
+        HEAD_DIM=head_dim, STAGES=cfg.stages, NUM_CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs,
+        CAUSAL=inputs.mask.is_causal, GROUP=inputs.group, num_warps=4, maxnreg=cfg.maxnreg,
+        **_window_and_alibi_args(inputs, lse),
     )
     return attention_fwd_hopper_kernel, grid, kwargs
 
 
 def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
-    """The backward's three (kernel, grid, kwargs), in order; dq, dk, dv contiguous ``[B, S, H, D]``."""
+    """The backward's three (kernel, grid, kwargs), in order; dq, dk, dv contiguous ``[B, S, H, D]``
+    (group mode ``[T, H, D]``, dk and dv zeroed: the kernel adds into them)."""
     from .kernels.hopper_bwd import (
         BLOCK_N,
         STAT_PAD,
@@ -168,45 +200,63 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
         hopper_bwd_preprocess,
     )
 
-    q = inputs.q
-    batch, seqlen, nhead, head_dim = q.shape
-    cfg = HOPPER_BWD_CONFIGS[head_dim]
+    q, k, v = inputs.q, inputs.k, inputs.v
     lse = lse.contiguous()
+    if inputs.group:  # [1, T, H, D] views: sequence b is a row range of the one "batch" (see fwd_launch)
+        q, k, v, dout, out, dq, dk, dv = (t.unsqueeze(0) for t in (q, k, v, dout, out, dq, dk, dv))
+        lse = lse.unsqueeze(0)
+    nhead, head_dim = q.shape[2], q.shape[3]
+    batch, seqlen = inputs.batch, inputs.max_seqlen_q
+    cfg = HOPPER_BWD_CONFIGS[head_dim]
+    # One CTA per key tile of each key/value head; it runs the query tiles of every query head
+    # of its group (GQA/MQA) with its K/V resident.
+    nhead_k = inputs.nhead_k
+    kv_group = nhead // nhead_k
+    # Statistics per (sequence, head) with padded rows, as in batch mode: the next sequence's rows
+    # in a ragged query tile then see -lse = -inf.
     seqlen_pad = triton.cdiv(seqlen, STAT_PAD) * STAT_PAD
     neg_delta = torch.empty((batch, nhead, seqlen_pad), dtype=torch.float32, device=q.device)
     neg_lse = torch.empty_like(neg_delta)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    per_sequence = 0 if inputs.group else 1  # group mode: one packed "batch", sequences by seqstart
     preprocess = dict(
-        O=out, DO=dout, Lse=lse, NegDelta=neg_delta, NegLse=neg_lse, seqlen=seqlen, seqlen_pad=seqlen_pad,
-        H=nhead, inv_scale=1.0 / inputs.scale, stride_ob=out.stride(0), stride_os=out.stride(1),
-        stride_oh=out.stride(2), stride_dob=dout.stride(0), stride_dos=dout.stride(1),
-        stride_doh=dout.stride(2), HEAD_DIM=head_dim, BLOCK=STAT_PAD, num_warps=8 if head_dim <= 128 else 16,
+        O=out, DO=dout, Lse=lse, NegDelta=neg_delta, NegLse=neg_lse,
+        Seqstart=inputs.seqstart_q if inputs.group else neg_lse, seqlen=seqlen, seqlen_pad=seqlen_pad,
+        H=nhead, inv_scale=1.0 / inputs.scale, stride_ob=out.stride(0) * per_sequence, stride_os=out.stride(1),
+        stride_oh=out.stride(2), stride_dob=dout.stride(0) * per_sequence, stride_dos=dout.stride(1),
+        stride_doh=dout.stride(2), stride_lb=lse.stride(0) * per_sequence, stride_lh=lse.stride(1),
+        HEAD_DIM=head_dim, BLOCK=STAT_PAD, GROUP=inputs.group, num_warps=8 if head_dim <= 128 else 16,
     )
     convert = dict(Acc=dq_acc, DQ=dq, n=dq.numel(), scale=inputs.scale, BLOCK=CONVERT_BLOCK, num_warps=8)
     if head_dim == 256:  # the head-dim-split kernel: 64 keys per CTA
         wide = dict(
-            q_desc=_desc(q, cfg.block_m, head_dim), k_desc=_desc(inputs.k, WIDE_KEYS.value, head_dim),
-            v_desc=_desc(inputs.v, WIDE_KEYS.value, head_dim), do_desc=_desc(dout, cfg.block_m, head_dim),
+            q_desc=_desc(q, cfg.block_m, head_dim), k_desc=_desc(k, WIDE_KEYS.value, head_dim),
+            v_desc=_desc(v, WIDE_KEYS.value, head_dim), do_desc=_desc(dout, cfg.block_m, head_dim),
             dq_desc=_desc(dq_acc, cfg.block_m, cfg.dq_cols, swizzle=False), dk_ptr=dk, dv_ptr=dv,
-            neg_lse_ptr=neg_lse, neg_delta_ptr=neg_delta, seqlen=seqlen, seqlen_pad=seqlen_pad, H=nhead,
+            neg_lse_ptr=neg_lse, neg_delta_ptr=neg_delta, seqlen=seqlen, seqlen_pad=seqlen_pad, H=nhead_k,
+            kv_group=kv_group,
             qk_scale=inputs.scale * LOG2E, sm_scale=inputs.scale, HEAD_DIM=head_dim, STAGES=cfg.stages,
             DQ_COLS=cfg.dq_cols, CONSUMER_REGS=cfg.consumer_regs, CAUSAL=inputs.mask.is_causal, num_warps=4,
             maxnreg=cfg.maxnreg,
         )
-        main = (attention_bwd_hopper_wide_kernel, (triton.cdiv(seqlen, WIDE_KEYS.value) * batch * nhead,), wide)
+        main = (attention_bwd_hopper_wide_kernel, (triton.cdiv(seqlen, WIDE_KEYS.value) * batch * nhead_k,), wide)
     else:
-        dq_cols = head_dim if cfg.block_m == 128 else head_dim // 2
+        features = _window_and_alibi_args(inputs, neg_lse)
+        block_m = cfg.block_m_for(inputs.group or features["WINDOW"] or features["ALIBI"] != 0)
+        dq_cols = head_dim if block_m == 128 else head_dim // 2
         narrow = dict(
-            q_desc=_desc(q, cfg.block_m, head_dim), k_desc=_desc(inputs.k, BLOCK_N.value, head_dim),
-            v_desc=_desc(inputs.v, WG_KEYS.value, head_dim), do_desc=_desc(dout, cfg.block_m, head_dim),
+            q_desc=_desc(q, block_m, head_dim), k_desc=_desc(k, BLOCK_N.value, head_dim),
+            v_desc=_desc(v, WG_KEYS.value, head_dim), do_desc=_desc(dout, block_m, head_dim),
             dk_desc=_desc(dk, WG_KEYS.value, head_dim), dv_desc=_desc(dv, WG_KEYS.value, head_dim),
-            dq_desc=_desc(dq_acc, 64, dq_cols, swizzle=False), lse_desc=_stat_desc(neg_lse, cfg.block_m),
-            delta_desc=_stat_desc(neg_delta, cfg.block_m), seqlen=seqlen, H=nhead,
-            qk_scale=inputs.scale * LOG2E, sm_scale=inputs.scale, BLOCK_M=cfg.block_m, HEAD_DIM=head_dim,
-            STAGES=cfg.stages, DS_BUFS=cfg.ds_bufs, CONSUMER_REGS=cfg.consumer_regs,
-            CAUSAL=inputs.mask.is_causal, num_warps=4, maxnreg=cfg.maxnreg,
+            dq_desc=_desc(dq_acc, 64, dq_cols, swizzle=False), lse_desc=_stat_desc(neg_lse, block_m),
+            delta_desc=_stat_desc(neg_delta, block_m),
+            seqstart_ptr=inputs.seqstart_q if inputs.group else neg_lse, seqlen=seqlen, H=nhead_k,
+            kv_group=kv_group, qk_scale=inputs.scale * LOG2E, sm_scale=inputs.scale, BLOCK_M=block_m,
+            HEAD_DIM=head_dim, STAGES=cfg.stages, DS_BUFS=cfg.ds_bufs, CONSUMER_REGS=cfg.consumer_regs,
+            CAUSAL=inputs.mask.is_causal, GROUP=inputs.group, num_warps=4, maxnreg=cfg.maxnreg,
+            **features,
         )
-        main = (attention_bwd_hopper_kernel, (triton.cdiv(seqlen, BLOCK_N.value) * batch * nhead,), narrow)
+        main = (attention_bwd_hopper_kernel, (triton.cdiv(seqlen, BLOCK_N.value) * batch * nhead_k,), narrow)
     return [
         (hopper_bwd_preprocess, (seqlen_pad // STAT_PAD * batch * nhead,), preprocess),
         main,

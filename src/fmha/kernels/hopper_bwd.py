@@ -1,8 +1,8 @@
 """Backward attention for Hopper (sm_90a) in Triton's Gluon dialect, FlashAttention-3's split.
 
 Three launches: ``hopper_bwd_preprocess`` (Triton) writes ``-delta`` and ``-lse / scale`` per query
-row, padded to a multiple of 128 rows (padding: delta 0, lse +inf, so P = 0 there and the main
-loop needs no query bound); ``attention_bwd_hopper_kernel`` (Gluon); ``hopper_bwd_convert_dq``
+row of each (sequence, head), padded to a multiple of 128 rows (padding: delta 0, lse +inf, so P = 0
+there and the main loop needs no query bound, in group mode too); ``attention_bwd_hopper_kernel`` (Gluon); ``hopper_bwd_convert_dq``
 (Triton) scales the fp32 dQ accumulator into dQ.
 
 Main kernel at head dims 64/128 (at 256, ``attention_bwd_hopper_wide_kernel`` below splits the
@@ -17,6 +17,10 @@ head dim between the warpgroups instead): one CTA per (128-key tile, batch * hea
   ``dK += dS^T Q`` and ``dQ_part = dS K``, which a TMA bulk reduce-add sums into the fp32
   accumulator (the order of those adds varies: this is the atomic mode).
 * the epilogue writes dV and ``dK * scale`` by TMA through this warpgroup's half of the V tile.
+
+A sliding window (``WINDOW``) visits only the query tiles whose rows see some of the CTA's keys,
+masked at both edges; ALiBi (``ALIBI``) adds its term to the exponent of P^T (the LSE folded into
+S^T already holds it; dS^T needs nothing more).
 
 Tensors are addressed like the forward's: 4-D descriptors over ``[B, S, H, D]``, boxes
 ``[1, rows, 1, cols]``, rows past the sequence zero-filled on load and clipped on store.
@@ -36,6 +40,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .common import LOG2E
+from .hopper_fwd import packed_sequence
+
 BLOCK_N = gl.constexpr(128)  # keys per CTA
 WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma)
 STAT_PAD = 128  # statistics rows are padded to a multiple of every BLOCK_M
@@ -50,21 +57,29 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @triton.jit
-def hopper_bwd_preprocess(O, DO, Lse, NegDelta, NegLse, seqlen, seqlen_pad, H, inv_scale,
-                          stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
-                          HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+def hopper_bwd_preprocess(O, DO, Lse, NegDelta, NegLse, Seqstart, seqlen, seqlen_pad, H, inv_scale,
+                          stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
+                          HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    """Statistics per (sequence, head), padded rows: in group mode ``seqlen`` is the longest
+    sequence and sequence b the rows ``Seqstart[b] ..`` of the packed O, dO and LSE."""
     blocks = seqlen_pad // BLOCK  # 1-D grid: grid y stops at 65535, less than batch * heads can be
     bh = tl.program_id(0) // blocks
     b = bh // H
     h = bh % H
     rows = (tl.program_id(0) % blocks) * BLOCK + tl.arange(0, BLOCK)
+    start = 0
+    length = seqlen
+    if GROUP:
+        start = tl.load(Seqstart + b)
+        length = tl.load(Seqstart + b + 1) - start
     cols = tl.arange(0, HEAD_DIM)
-    ok = rows < seqlen
-    o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + rows[:, None].to(tl.int64) * stride_os
-                + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-    do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + rows[:, None].to(tl.int64) * stride_dos
-                 + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-    lse = tl.load(Lse + bh.to(tl.int64) * seqlen + rows, mask=ok, other=float("inf"))
+    ok = rows < length
+    packed = (start + rows)[:, None].to(tl.int64)
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + packed * stride_os + cols[None, :],
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + packed * stride_dos + cols[None, :],
+                 mask=ok[:, None], other=0.0).to(tl.float32)
+    lse = tl.load(Lse + b.to(tl.int64) * stride_lb + h * stride_lh + start + rows, mask=ok, other=float("inf"))
     pad = bh.to(tl.int64) * seqlen_pad + rows
     # Negated: they are the initial values of the S^T and dP^T accumulators.
     tl.store(NegDelta + pad, tl.where(ok, -tl.sum(o * do, 1), 0.0))
@@ -109,6 +124,39 @@ def _query_tiles(n0, seqlen, BLOCK_M: gl.constexpr, KEYS: gl.constexpr, CAUSAL: 
 
 
 @gluon.jit
+def _band_query_tiles(n0, seqlen, left, right, BLOCK_M: gl.constexpr, KEYS: gl.constexpr, CAUSAL: gl.constexpr,
+                      WINDOW: gl.constexpr):
+    """(m_lo, inner_lo, inner_hi, m_hi) in query tiles for the KEYS keys from n0: it runs tiles
+    [m_lo, m_hi); those in [inner_lo, inner_hi) need no mask. A window shows row i keys
+    i - left .. i + right, so key j is seen by rows j - right .. j + left."""
+    if WINDOW:
+        last_key = gl.minimum(n0 + KEYS, seqlen) - 1
+        m_lo = gl.maximum(n0 - right, 0) // BLOCK_M
+        m_hi = gl.cdiv(gl.minimum(last_key + left + 1, seqlen), BLOCK_M)
+        # unmasked: the first row sees the last key, the last row the first (a ragged last query
+        # tile stays masked: cheap, and rows past the sequence have P = 0 anyway)
+        inner_lo = gl.cdiv(gl.maximum(n0 + KEYS - 1 - right, 0), BLOCK_M)
+        inner_hi = gl.minimum(n0 + left + 1, seqlen) // BLOCK_M
+        if n0 + KEYS > seqlen:  # keys past the sequence: every tile masked
+            inner_lo = m_hi
+    else:
+        m_lo, inner_lo, m_hi = _query_tiles(n0, seqlen, BLOCK_M, KEYS, CAUSAL)
+        inner_hi = m_hi
+    return m_lo, inner_lo, inner_hi, m_hi
+
+
+@gluon.jit
+def _group_step(it, n_m, m_lo, h, bh, kv_group):
+    """(query tile, query head, batch * query heads + query head) of step ``it``: a CTA holds the
+    K/V of one key/value head and runs the n_m query tiles of each of its kv_group query heads
+    (GQA/MQA; 1 otherwise) in turn, so dK/dV sum over the group in registers."""
+    if kv_group == 1:  # specialized at launch: the plain loop
+        return m_lo + it, h, bh
+    g = it // n_m
+    return m_lo + it % n_m, h * kv_group + g, bh * kv_group + g
+
+
+@gluon.jit
 def _init_rings(q_ready, q_empty, do_ready, do_empty, STAGES: gl.constexpr):
     """The Q and dO rings' barriers: ready by the producer's TMA, empty by both consumers."""
     for i in gl.static_range(STAGES):
@@ -120,37 +168,73 @@ def _init_rings(q_ready, q_empty, do_ready, do_empty, STAGES: gl.constexpr):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
-              lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqlen, H,
-              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+              lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqstart_ptr, seqlen, H, kv_group,
+              left, right, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+              GROUP: gl.constexpr):
     b, h, bh, n0 = _this_program(seqlen, H, BLOCK_N)
-    m_lo, m_mask_end, m_hi = _query_tiles(n0, seqlen, BLOCK_M, BLOCK_N, CAUSAL)
+    bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
+    # Group mode: the grid covers the longest sequence; a CTA past its sequence loads its K/V and
+    # runs no query tile (the consumers then add zero dK/dV), which keeps the control flow simple.
+    m_lo, _, _, m_hi = _band_query_tiles(n0, seqlen_b, left, right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    n_k = row_base + n0
 
     # V as two 64-key halves: each is one warpgroup's operand and later its epilogue buffer.
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b, n0, h, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [b, n0, h, 0], kv_bar, v_smem.index(0))
-    tma.async_copy_global_to_shared(v_desc, [b, n0 + WG_KEYS, h, 0], kv_bar, v_smem.index(1))
+    tma.async_copy_global_to_shared(k_desc, [bd, n_k, h, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [bd, n_k, h, 0], kv_bar, v_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [bd, n_k + WG_KEYS, h, 0], kv_bar, v_smem.index(1))
 
-    for m in range(m_lo, m_hi):
-        it = m - m_lo
+    n_m = (m_hi - m_lo) * (n0 < seqlen_b).to(gl.int32)
+    for it in range(kv_group * n_m):
+        m, hq, bhq = _group_step(it, n_m, m_lo, h, bh, kv_group)
+        rows = row_base + m * BLOCK_M
         s = it % STAGES
         ph = ((it // STAGES) & 1) ^ 1  # a fresh mbarrier passes a wait on parity 1 at once
         mbarrier.wait(q_empty.index(s), ph)
         mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, m * BLOCK_M, h, 0], q_ready.index(s), q_bufs.index(s))
-        tma.async_copy_global_to_shared(lse_desc, [bh, m * BLOCK_M], q_ready.index(s), lse_bufs.index(s))
+        tma.async_copy_global_to_shared(q_desc, [bd, rows, hq, 0], q_ready.index(s), q_bufs.index(s))
+        tma.async_copy_global_to_shared(lse_desc, [bhq, m * BLOCK_M], q_ready.index(s), lse_bufs.index(s))
         mbarrier.wait(do_empty.index(s), ph)
         mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [b, m * BLOCK_M, h, 0], do_ready.index(s), do_bufs.index(s))
-        tma.async_copy_global_to_shared(delta_desc, [bh, m * BLOCK_M], do_ready.index(s), delta_bufs.index(s))
+        tma.async_copy_global_to_shared(do_desc, [bd, rows, hq, 0], do_ready.index(s), do_bufs.index(s))
+        tma.async_copy_global_to_shared(delta_desc, [bhq, m * BLOCK_M], do_ready.index(s), delta_bufs.index(s))
 
 
 @gluon.jit
-def _consumer_step(WG: gl.constexpr, it, m, m_mask_end, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs, dq_smem,
-                   p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc, lse_bufs,
-                   delta_bufs, b, h, keys, seqlen, qk_scale, dk, dv, sT_layout: gl.constexpr,
-                   dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr):
+def _key_minus_query(keys, m0, BLOCK_M: gl.constexpr, sT_layout: gl.constexpr):
+    """key - query at every element of S^T: keys are its rows, the tile's queries its columns."""
+    return keys[:, None] - (m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, sT_layout)))[None, :]
+
+
+@gluon.jit
+def _with_alibi(scores, rel, keys, slope, ALIBI: gl.constexpr):
+    """Scores of S^T's layout plus ALiBi's term, ``slope`` in their units: ALIBI 1 -slope * |rel|
+    (``rel`` = key - query), 2 slope * key, 0 none."""
+    if ALIBI == 1:
+        scores = scores - slope * gl.abs(rel).to(gl.float32)
+    elif ALIBI == 2:  # one term per key: a row of S^T
+        scores = scores + (slope * keys.to(gl.float32))[:, None]
+    return scores
+
+
+@gluon.jit
+def _keep(keys, rel, seqlen, left, right, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+    """Which elements of S^T a masked tile keeps (``rel`` = key - query)."""
+    keep = keys[:, None] < seqlen
+    if WINDOW:
+        keep = keep & (rel >= -left) & (rel <= right)
+    elif CAUSAL:
+        keep = keep & (rel <= 0)
+    return keep
+
+
+@gluon.jit
+def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs,
+                   dq_smem, p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc, lse_bufs,
+                   delta_bufs, bd, row_base, h, keys, seqlen, qk_scale, left, right, slope, dk, dv,
+                   sT_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                   ALIBI: gl.constexpr, GROUP: gl.constexpr):
     dtype: gl.constexpr = q_bufs.dtype
     s = it % STAGES
     ph = (it // STAGES) & 1
@@ -170,13 +254,28 @@ def _consumer_step(WG: gl.constexpr, it, m, m_mask_end, k_w, v_w, k_full, q_bufs
                         is_async=True)
 
     sT = warpgroup_mma_wait(1, deps=[sT])  # S^T done; dP^T may still run under the exp2
-    pT = gl.exp2(sT * qk_scale)
-    if m < m_mask_end:  # uniform branch: diagonal tiles, or every tile of a ragged key tile
-        keep = keys[:, None] < seqlen
-        if CAUSAL:
-            cols = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, sT_layout))
-            keep = keep & (keys[:, None] <= cols[None, :])
-        pT = gl.where(keep, pT, 0.0)
+    # Queries past the sequence (the next sequence's rows in group mode) need no mask: their
+    # padded statistics (-lse = -inf) make P^T zero.
+    masked = m < inner_lo
+    if WINDOW:
+        masked = masked | (m >= inner_hi)
+    if WINDOW or ALIBI != 0 or GROUP:
+        # Each branch derives key - query itself, the masked one before its scores: computed once
+        # for both (or ALiBi's term before the mask), it stays live beside dP^T and spills.
+        if masked:  # uniform branch: a band's edge or causal diagonal tiles, or all of a ragged key tile
+            rel = _key_minus_query(keys, m0, BLOCK_M, sT_layout)
+            scores = _with_alibi(sT * qk_scale, rel, keys, slope, ALIBI)
+            scores = gl.where(_keep(keys, rel, seqlen, left, right, CAUSAL, WINDOW), scores, -float("inf"))
+        else:
+            scores = _with_alibi(sT * qk_scale, _key_minus_query(keys, m0, BLOCK_M, sT_layout), keys, slope, ALIBI)
+        pT = gl.exp2(scores)
+    else:
+        # Plain and causal: the mask after the exp2, so the unmasked tiles run no select (the
+        # form above merges its two branches into 64 selects per thread; 4% at d=128, 16k).
+        pT = gl.exp2(sT * qk_scale)
+        if masked:
+            pT = gl.where(_keep(keys, _key_minus_query(keys, m0, BLOCK_M, sT_layout), seqlen, left, right, CAUSAL,
+                                WINDOW), pT, 0.0)
     # P^T feeds dV from this warpgroup's own smem tile: as a register operand it would stay live
     # beside dP^T, dK and dV and spill.
     p_smem.store(pT.to(dtype))
@@ -213,17 +312,34 @@ def _consumer_step(WG: gl.constexpr, it, m, m_mask_end, k_w, v_w, k_full, q_bufs
     dq_smem.reshape([64, dq.shape[1]]).store(dq)
     fence_async_shared()
     if BLOCK_M == 128:
-        _tma_reduce_add(dq_desc, [b, m0 + WG * 64, h, 0], dq_smem)
+        _tma_reduce_add(dq_desc, [bd, row_base + m0 + WG * 64, h, 0], dq_smem)
     else:
-        _tma_reduce_add(dq_desc, [b, m0, h, WG * (HEAD_DIM // 2)], dq_smem)
+        _tma_reduce_add(dq_desc, [bd, row_base + m0, h, WG * (HEAD_DIM // 2)], dq_smem)
     return dk, dv
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
-              delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready,
-              ds_empty, seqlen, H, qk_scale, sm_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-              STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr):
+def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs,
+              lse_bufs, delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready,
+              ds_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale, left, right, alibi_ptr, stride_ab,
+              stride_ah, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
+              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr):
+    b, h, bh, n0 = _this_program(seqlen, H, BLOCK_N)
+    bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
+    _consumer_keys(WG, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
+                   dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, h, bh, n0, bd,
+                   b, row_base, seqlen_b, kv_group, qk_scale, sm_scale, left, right, alibi_ptr, stride_ab, stride_ah,
+                   BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP)
+
+
+@gluon.jit
+def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs,
+                   lse_bufs, delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
+                   ds_ready, ds_empty, h, bh, n0, bd, b, row_base, seqlen, kv_group, qk_scale, sm_scale, left, right,
+                   alibi_ptr, stride_ab, stride_ah, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                   ALIBI: gl.constexpr, GROUP: gl.constexpr):
+    """Warpgroup WG's 64 keys of the CTA's key tile; n0, keys and seqlen are the sequence's."""
     dtype: gl.constexpr = q_bufs.dtype
     sT_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
@@ -233,8 +349,7 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_buf
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLS, 16])
 
-    b, h, _, n0 = _this_program(seqlen, H, BLOCK_N)
-    m_lo, m_mask_end, m_hi = _query_tiles(n0, seqlen, BLOCK_M, BLOCK_N, CAUSAL)
+    m_lo, inner_lo, inner_hi, m_hi = _band_query_tiles(n0, seqlen, left, right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     keys = n0 + WG * WG_KEYS + gl.arange(0, WG_KEYS, layout=gl.SliceLayout(1, sT_layout))
 
     mbarrier.wait(kv_bar, 0)
@@ -246,30 +361,52 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_buf
 
     dk = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, kv_layout)
-    for m in range(m_lo, m_hi):
-        dk, dv = _consumer_step(WG, m - m_lo, m, m_mask_end, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs, dq_smem,
-                                p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc, lse_bufs,
-                                delta_bufs, b, h, keys, seqlen, qk_scale, dk, dv, sT_layout, dq_layout,
-                                BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)
+    n_m = (m_hi - m_lo) * (n0 < seqlen).to(gl.int32)  # none past the sequence (group mode)
+    slope = 0.0  # ALiBi's, in log2 units like the scores
+    for it in range(kv_group * n_m):
+        m, hq, _ = _group_step(it, n_m, m_lo, h, bh, kv_group)
+        if ALIBI != 0:
+            if it % n_m == 0:  # a new query head of the group: its slope
+                slope = gl.load(alibi_ptr + b * stride_ab + hq * stride_ah) * LOG2E
+        dk, dv = _consumer_step(WG, it, m, inner_lo, inner_hi, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs,
+                                dq_smem, p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc,
+                                lse_bufs, delta_bufs, bd, row_base, hq, keys, seqlen, qk_scale, left, right, slope,
+                                dk, dv, sT_layout, dq_layout, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW,
+                                ALIBI, GROUP)
 
-    # Epilogue through this warpgroup's V half: only its own dP^T wgmma read it, all retired.
+    # Epilogue through this warpgroup's V half: only its own dP^T wgmma read it, all retired. In
+    # group mode the rows after a ragged key tile are the next sequence's; this tile's rows there
+    # are exactly zero (P^T is masked for those keys), so it adds into the zeroed dK/dV instead of
+    # storing, and whichever of the two CTAs comes second leaves the other's rows as they were.
     out_smem = v_smem.index(WG)
     out2 = out_smem.reshape([WG_KEYS, HEAD_DIM])
+    key_row = row_base + n0 + WG * WG_KEYS
     out2.store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dv_desc, [b, n0 + WG * WG_KEYS, h, 0], out_smem)
+    if GROUP:
+        _tma_reduce_add(dv_desc, [bd, key_row, h, 0], out_smem)
+    else:
+        tma.async_copy_shared_to_global(dv_desc, [bd, key_row, h, 0], out_smem)
     tma.store_wait(0)  # also drains the last dQ reduction
     out2.store((dk * sm_scale).to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [b, n0 + WG * WG_KEYS, h, 0], out_smem)
+    if GROUP:
+        _tma_reduce_add(dk_desc, [bd, key_row, h, 0], out_smem)
+    else:
+        tma.async_copy_shared_to_global(dk_desc, [bd, key_row, h, 0], out_smem)
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["seqlen", "H"])
+# GROUP: group (varlen) mode, the tensors ``[1, T, H, D]`` views and ``seqlen`` the longest sequence.
+# Like the forward: WINDOW, a sliding window of ``left`` keys back and ``right`` ahead (unbounded
+# sides come as 2 * seqlen); ALIBI: 0 none, 1 -slope * |i - j|, 2 slope * j (causal), slopes [B?, H].
+# kv_group stays specialized: 1 (no GQA) compiles the plain loop, every other ratio one more kernel.
+@gluon.jit(do_not_specialize=["seqlen", "H", "left", "right", "stride_ab", "stride_ah"])
 def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
-                                seqlen, H, qk_scale, sm_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                                STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                CAUSAL: gl.constexpr):
+                                alibi_ptr, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale, left, right,
+                                stride_ab, stride_ah, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                                DS_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr,
+                                WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr):
     gl.static_assert(BLOCK_M == 64 or BLOCK_M == 128)
     dtype: gl.constexpr = q_desc.dtype
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
@@ -299,15 +436,17 @@ def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
 
     # One partition per consumer warpgroup (first argument: its index), each with its own barrier.
     gl.warp_specialize([
-        (_consumer, (0, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
-                      dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, seqlen, H,
-                      qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)),
-        (_consumer, (1, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
-                      dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, seqlen, H,
-                      qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL)),
+        (_consumer, (0, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
+                      delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready,
+                      ds_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale, left, right, alibi_ptr,
+                      stride_ab, stride_ah, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP)),
+        (_consumer, (1, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
+                      delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready,
+                      ds_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale, left, right, alibi_ptr,
+                      stride_ab, stride_ah, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
-                     lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqlen, H, BLOCK_M,
-                     STAGES, CAUSAL)),
+                     lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqstart_ptr, seqlen, H,
+                     kv_group, left, right, BLOCK_M, STAGES, CAUSAL, WINDOW, GROUP)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -322,29 +461,30 @@ WIDE_WG_KEYS = gl.constexpr(32)  # keys of S and dP per warpgroup
 
 @gluon.jit
 def _wide_producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty,
-                   do_ready, do_empty, seqlen, H, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                   do_ready, do_empty, seqlen, H, kv_group, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr):
     b, h, bh, n0 = _this_program(seqlen, H, WIDE_KEYS)
     m_lo, _, m_hi = _query_tiles(n0, seqlen, BLOCK_M, WIDE_KEYS, CAUSAL)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, n0, h, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [b, n0, h, 0], kv_bar, v_smem)
-    for m in range(m_lo, m_hi):
-        it = m - m_lo
+    n_m = m_hi - m_lo
+    for it in range(kv_group * n_m):
+        m, hq, _ = _group_step(it, n_m, m_lo, h, bh, kv_group)
         s = it % STAGES
         ph = ((it // STAGES) & 1) ^ 1  # a fresh mbarrier passes a wait on parity 1 at once
         mbarrier.wait(q_empty.index(s), ph)
         mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, m * BLOCK_M, h, 0], q_ready.index(s), q_bufs.index(s))
+        tma.async_copy_global_to_shared(q_desc, [b, m * BLOCK_M, hq, 0], q_ready.index(s), q_bufs.index(s))
         mbarrier.wait(do_empty.index(s), ph)
         mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [b, m * BLOCK_M, h, 0], do_ready.index(s), do_bufs.index(s))
+        tma.async_copy_global_to_shared(do_desc, [b, m * BLOCK_M, hq, 0], do_ready.index(s), do_bufs.index(s))
 
 
 @gluon.jit
 def _wide_consumer(WG: gl.constexpr, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_delta_ptr, k_smem, v_smem, q_bufs,
                    do_bufs, pT_smem, dsT_smem, dq_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, pds_ready,
-                   pds_empty, seqlen, seqlen_pad, H, qk_scale, sm_scale, BLOCK_M: gl.constexpr,
+                   pds_empty, seqlen, seqlen_pad, H, kv_group, qk_scale, sm_scale, BLOCK_M: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr):
     dtype: gl.constexpr = q_bufs.dtype
     COLS: gl.constexpr = HEAD_DIM // 2  # this warpgroup's head-dim columns of dK, dV, dQ
@@ -359,8 +499,6 @@ def _wide_consumer(WG: gl.constexpr, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_d
     b, h, bh, n0 = _this_program(seqlen, H, WIDE_KEYS)
     m_lo, m_mask_end, m_hi = _query_tiles(n0, seqlen, BLOCK_M, WIDE_KEYS, CAUSAL)
     keys = n0 + WG * WIDE_WG_KEYS + gl.arange(0, WIDE_WG_KEYS, layout=gl.SliceLayout(0, s_layout))
-    stats = neg_lse_ptr + bh.to(gl.int64) * seqlen_pad
-    deltas = neg_delta_ptr + bh.to(gl.int64) * seqlen_pad
 
     mbarrier.wait(kv_bar, 0)
     k_full = k_smem.reshape([WIDE_KEYS, HEAD_DIM])
@@ -370,16 +508,18 @@ def _wide_consumer(WG: gl.constexpr, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_d
 
     dk = gl.zeros([WIDE_KEYS, COLS], gl.float32, kv_layout)
     dv = gl.zeros([WIDE_KEYS, COLS], gl.float32, kv_layout)
-    for m in range(m_lo, m_hi):
-        it = m - m_lo
+    n_m = m_hi - m_lo
+    for it in range(kv_group * n_m):
+        m, hq, bhq = _group_step(it, n_m, m_lo, h, bh, kv_group)
         s = it % STAGES
         ph = (it // STAGES) & 1
         m0 = m * BLOCK_M
         rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
         # Row statistics straight from global memory (padded rows: -lse = -inf, -delta = 0); the
         # loads run under the S wgmma.
-        neg_lse = gl.load(stats + rows)
-        neg_delta = gl.load(deltas + rows)
+        stat_rows = bhq.to(gl.int64) * seqlen_pad + rows
+        neg_lse = gl.load(neg_lse_ptr + stat_rows)
+        neg_delta = gl.load(neg_delta_ptr + stat_rows)
 
         mbarrier.wait(q_ready.index(s), ph)
         q_s = q_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
@@ -424,7 +564,7 @@ def _wide_consumer(WG: gl.constexpr, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_d
             tma.store_wait(0)  # the previous reduction has read dq_smem
             dq_smem.reshape([BLOCK_M, DQ_COLS]).store(dq)
             fence_async_shared()
-            _tma_reduce_add(dq_desc, [b, m0, h, WG * COLS + piece * DQ_COLS], dq_smem)
+            _tma_reduce_add(dq_desc, [b, m0, hq, WG * COLS + piece * DQ_COLS], dq_smem)
     tma.store_wait(0)
 
     # Epilogue: dV and dK * scale from registers, rows past the sequence left out (once per CTA).
@@ -436,9 +576,9 @@ def _wide_consumer(WG: gl.constexpr, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_d
     gl.store(dk_ptr + offs, (dk * sm_scale).to(dtype), mask=inside)
 
 
-@gluon.jit(do_not_specialize=["seqlen", "seqlen_pad", "H"])
+@gluon.jit(do_not_specialize=["seqlen", "seqlen_pad", "H", "kv_group"])
 def attention_bwd_hopper_wide_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, dv_ptr, neg_lse_ptr,
-                                     neg_delta_ptr, seqlen, seqlen_pad, H, qk_scale, sm_scale,
+                                     neg_delta_ptr, seqlen, seqlen_pad, H, kv_group, qk_scale, sm_scale,
                                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DQ_COLS: gl.constexpr,
                                      CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
@@ -467,12 +607,12 @@ def attention_bwd_hopper_wide_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, d
     gl.warp_specialize([
         (_wide_consumer, (0, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_delta_ptr, k_smem, v_smem, q_bufs, do_bufs,
                           pT_smem, dsT_smem, dq_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, pds_ready,
-                          pds_empty, seqlen, seqlen_pad, H, qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DQ_COLS,
-                          CAUSAL)),
+                          pds_empty, seqlen, seqlen_pad, H, kv_group, qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES,
+                          DQ_COLS, CAUSAL)),
         (_wide_consumer, (1, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_delta_ptr, k_smem, v_smem, q_bufs, do_bufs,
                           pT_smem, dsT_smem, dq_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, pds_ready,
-                          pds_empty, seqlen, seqlen_pad, H, qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES, DQ_COLS,
-                          CAUSAL)),
+                          pds_empty, seqlen, seqlen_pad, H, kv_group, qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES,
+                          DQ_COLS, CAUSAL)),
         (_wide_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty,
-                          do_ready, do_empty, seqlen, H, BLOCK_M, STAGES, CAUSAL)),
+                          do_ready, do_empty, seqlen, H, kv_group, BLOCK_M, STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, 24])

@@ -70,24 +70,38 @@ def _this_program(seqlen, H, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqlen, H, kv_group, left,
-              right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              WINDOW: gl.constexpr):
+def packed_sequence(b, seqlen, seqstart_ptr, GROUP: gl.constexpr):
+    """(batch coordinate, first row, length) of sequence b. Group (varlen) mode: the tensors are
+    ``[1, total, H, D]`` views, sequence b is rows ``seqstart[b] .. seqstart[b + 1]`` of them and
+    ``seqlen`` is the longest; rows past a sequence are the next one's, so they are masked (keys)
+    or never stored (queries), not clipped."""
+    if GROUP:
+        start = gl.load(seqstart_ptr + b)
+        return 0, start, gl.load(seqstart_ptr + b + 1) - start
+    return b, 0, seqlen
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H,
+              kv_group, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, GROUP: gl.constexpr):
     b, h, m0 = _this_program(seqlen, H, BLOCK_M)
-    first, _, _, end = _key_tiles(m0, seqlen, left, right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-    h_kv = h // kv_group
-    for it in range(end - first):
-        s = it % STAGES
-        # Use u = it // STAGES of slot s waits for the consumers' release of use u - 1; a fresh
-        # mbarrier counts as having completed the phase before its first, so u = 0 passes at once.
-        ph = ((it // STAGES) & 1) ^ 1
-        n0 = (first + it) * BLOCK_N
-        mbarrier.wait(k_empty.index(s), ph)
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, n0, h_kv, 0], k_ready.index(s), k_bufs.index(s))
-        mbarrier.wait(v_empty.index(s), ph)
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, n0, h_kv, 0], v_ready.index(s), v_bufs.index(s))
+    bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
+    if m0 < seqlen_b:  # group mode: the grid covers the longest sequence
+        first, _, _, end = _key_tiles(m0, seqlen_b, left, right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+        h_kv = h // kv_group
+        for it in range(end - first):
+            s = it % STAGES
+            # Use u = it // STAGES of slot s waits for the consumers' release of use u - 1; a fresh
+            # mbarrier counts as having completed the phase before its first, so u = 0 passes at once.
+            ph = ((it // STAGES) & 1) ^ 1
+            n0 = row_base + (first + it) * BLOCK_N
+            mbarrier.wait(k_empty.index(s), ph)
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [bd, n0, h_kv, 0], k_ready.index(s), k_bufs.index(s))
+            mbarrier.wait(v_empty.index(s), ph)
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [bd, n0, h_kv, 0], v_ready.index(s), v_bufs.index(s))
 
 
 @gluon.jit
@@ -158,10 +172,27 @@ def _consumer_step(j, first, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready, 
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
-              v_ready, v_empty, seqlen, H, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr):
+def _consumer(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
+              v_ready, v_empty, seqstart_ptr, seqlen, H, stride_os, stride_oh, lse_stride_b, lse_stride_h, qk_scale,
+              left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+              ALIBI: gl.constexpr, GROUP: gl.constexpr):
+    b, h, m0 = _this_program(seqlen, H, BLOCK_M)
+    bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
+    if m0 < seqlen_b:  # group mode: the grid covers the longest sequence
+        _consumer_tile(WG, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
+                       v_ready, v_empty, b, h, m0, bd, row_base, seqlen_b, stride_os, stride_oh,
+                       lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
+                       BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP)
+
+
+@gluon.jit
+def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready,
+                   k_empty, v_ready, v_empty, b, h, m0, bd, row_base, seqlen, stride_os, stride_oh, lse_stride_b,
+                   lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                   WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr):
+    """Warpgroup WG's 64 query rows of the CTA's tile; rows, keys and seqlen are the sequence's."""
     ROWS: gl.constexpr = ROWS_PER_CONSUMER
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -172,7 +203,6 @@ def _consumer(WG: gl.constexpr, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs,
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    b, h, m0 = _this_program(seqlen, H, BLOCK_M)
     first, inner_lo, inner_hi, end = _key_tiles(m0, seqlen, left, right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     row0 = m0 + WG * ROWS
     rows = row0 + gl.arange(0, ROWS, layout=row_layout)
@@ -183,7 +213,7 @@ def _consumer(WG: gl.constexpr, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs,
     q_smem = q_bufs.index(WG)
     q_bar = q_bars.index(WG)
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b, row0, h, 0], q_bar, q_smem)
+    tma.async_copy_global_to_shared(q_desc, [bd, row_base + row0, h, 0], q_bar, q_smem)
     mbarrier.wait(q_bar, 0)
     q_tile = q_smem.reshape([ROWS, HEAD_DIM])
 
@@ -229,24 +259,34 @@ def _consumer(WG: gl.constexpr, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs,
     mbarrier.arrive(v_empty.index(sl))
 
     # Epilogue: O / l and the natural-log LSE; O leaves through the Q buffer (its last reader,
-    # the wgmma, has retired) and a TMA store that clips rows past the sequence.
+    # the wgmma, has retired) and a TMA store that clips rows past the batch's sequence. In group
+    # mode the rows past a sequence belong to the next: a ragged tile stores row by row instead.
     o_acc = o_acc * gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))[:, None]
     lse = (m_i + gl.log2(l_i)) * LN2
-    gl.store(lse_ptr + (b * H + h).to(gl.int64) * seqlen + rows, lse, mask=rows < seqlen)
-    q_tile.store(o_acc.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, row0, h, 0], q_smem)
-    tma.store_wait(0)
+    lse_rows = lse_ptr + b.to(gl.int64) * lse_stride_b + h.to(gl.int64) * lse_stride_h + row_base
+    gl.store(lse_rows + rows, lse, mask=rows < seqlen)
+    if GROUP and row0 + ROWS > seqlen:
+        out_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        offs = (row_base + out_rows).to(gl.int64)[:, None] * stride_os + h * stride_oh + cols[None, :]
+        gl.store(out_ptr + offs, o_acc.to(dtype), mask=(out_rows < seqlen)[:, None])
+    else:
+        q_tile.store(o_acc.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [bd, row_base + row0, h, 0], q_smem)
+        tma.store_wait(0)
 
 
 # Lengths, head counts and window sizes are not specialized: one compile serves every shape of a
 # config. WINDOW: a sliding window of ``left`` keys back and ``right`` ahead (unbounded sides come
 # as 2 * seqlen); ALIBI: 0 none, 1 -slope * |i - j|, 2 slope * j (causal), slopes [B?, H] strided.
-@gluon.jit(do_not_specialize=["seqlen", "H", "kv_group", "left", "right", "stride_ab", "stride_ah"])
-def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, alibi_ptr, seqlen, H, kv_group, qk_scale,
-                                left, right, stride_ab, stride_ah, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+@gluon.jit(do_not_specialize=["seqlen", "H", "kv_group", "left", "right", "stride_ab", "stride_ah", "stride_os",
+                              "stride_oh", "lse_stride_b", "lse_stride_h"])
+def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, alibi_ptr, seqstart_ptr, seqlen, H,
+                                kv_group, qk_scale, left, right, stride_ab, stride_ah, stride_os, stride_oh,
+                                lse_stride_b, lse_stride_h, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                                 STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr):
+                                CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr):
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3)
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * NUM_CONSUMERS
     dtype: gl.constexpr = q_desc.dtype
@@ -273,26 +313,31 @@ def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, alibi_p
     # tensors, which then cannot build layouts.
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (0, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                          v_empty, seqlen, H, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M,
-                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI)),
-            (_consumer, (1, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                          v_empty, seqlen, H, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M,
-                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI)),
-            (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqlen, H, kv_group,
-                         left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW)),
+            (_consumer, (0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
+                          v_ready, v_empty, seqstart_ptr, seqlen, H, stride_os, stride_oh, lse_stride_b, lse_stride_h,
+                          qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                          CAUSAL, WINDOW, ALIBI, GROUP)),
+            (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
+                          v_ready, v_empty, seqstart_ptr, seqlen, H, stride_os, stride_oh, lse_stride_b, lse_stride_h,
+                          qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                          CAUSAL, WINDOW, ALIBI, GROUP)),
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H,
+                         kv_group, left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (0, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                          v_empty, seqlen, H, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M,
-                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI)),
-            (_consumer, (1, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                          v_empty, seqlen, H, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M,
-                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI)),
-            (_consumer, (2, q_desc, o_desc, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                          v_empty, seqlen, H, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M,
-                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI)),
-            (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqlen, H, kv_group,
-                         left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW)),
+            (_consumer, (0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
+                          v_ready, v_empty, seqstart_ptr, seqlen, H, stride_os, stride_oh, lse_stride_b, lse_stride_h,
+                          qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                          CAUSAL, WINDOW, ALIBI, GROUP)),
+            (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
+                          v_ready, v_empty, seqstart_ptr, seqlen, H, stride_os, stride_oh, lse_stride_b, lse_stride_h,
+                          qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                          CAUSAL, WINDOW, ALIBI, GROUP)),
+            (_consumer, (2, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
+                          v_ready, v_empty, seqstart_ptr, seqlen, H, stride_os, stride_oh, lse_stride_b, lse_stride_h,
+                          qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                          CAUSAL, WINDOW, ALIBI, GROUP)),
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H,
+                         kv_group, left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])

@@ -152,3 +152,27 @@ def test_forward_and_backward_pass_the_same_window_and_alibi_arguments():
     for kwargs in (fwd, bwd):
         assert {name: kwargs[name] for name in expected} == expected
         assert kwargs["alibi_ptr"] is inputs.alibi_slopes
+
+
+@pytest.mark.parametrize("head_dim, seqlen, kwargs, persistent", [
+    (128, 1000, {}, True),
+    (128, 2048, {}, True),
+    (128, 4096, {}, False),
+    (128, 1024, dict(mask="t"), True),
+    (128, 2000, dict(mask="t"), False),
+    (64, 2048, {}, True),
+    (64, 1000, dict(mask="t"), False),  # persistent under a causal mask it spills
+    (256, 1000, {}, True),
+    (256, 1000, dict(mask="t"), False),  # measured slower
+    (128, 1000, dict(mask="b:100,0"), False),  # windows and ALiBi spill persistent
+    (128, 1000, dict(alibi_slopes=torch.ones(4)), False),
+])
+def test_short_forwards_run_persistent_ctas(head_dim, seqlen, kwargs, persistent):
+    q = torch.empty(2, seqlen, 4, head_dim, dtype=torch.bfloat16)
+    assert hopper.fwd_persistent(check_inputs(q, q, q, **kwargs)) is persistent
+
+
+def test_group_mode_forward_runs_one_cta_per_tile():
+    packed = torch.empty(1000, 4, 128, dtype=torch.bfloat16)
+    starts = torch.tensor([0, 400, 1000], dtype=torch.int32)
+    assert not hopper.fwd_persistent(check_inputs(packed, packed, packed, seqstart_q=starts, seqstart_k=starts))

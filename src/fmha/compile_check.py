@@ -159,7 +159,8 @@ def _hopper_name(dtype, head_dim: int, causal: bool) -> str:
 
 
 def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
-    """The Hopper fast path's launches: the Gluon forward and the backward's three kernels where
+    """The Hopper fast path's launches: the Gluon forward (persistent and one CTA per tile where
+    the config has both) and the backward's three kernels where
     the head dim has a backward config; the forward and the backward's main kernel also with ALiBi
     (and without a causal mask a sliding window with ALiBi) where they take it, and in group mode."""
     prefix = _hopper_name(dtype, head_dim, causal)
@@ -170,7 +171,13 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
     alibi = "alibi" if causal else "window alibi"
     out, lse = torch.empty_like(q), torch.empty(inputs.lse_shape, dtype=torch.float32)
     kernel, grid, kwargs = hopper.fwd_launch(inputs, out, lse)
-    results = [_compile(f"{prefix} fwd", kernel, grid, kwargs)]
+    results = [_compile(f"{prefix} fwd{' persistent' if kwargs['PERSISTENT'] else ''}", kernel, grid, kwargs)]
+    if kwargs["PERSISTENT"]:  # longer sequences run one CTA per tile
+        q_long = torch.empty(1, 4096, 4, head_dim, dtype=dtype)
+        long_inputs = check_inputs(q_long, q_long, q_long, mask="t" if causal else None)
+        kernel, grid, kwargs = hopper.fwd_launch(long_inputs, torch.empty_like(q_long),
+                                                 torch.empty(long_inputs.lse_shape, dtype=torch.float32))
+        results.append(_compile(f"{prefix} fwd", kernel, grid, kwargs))
     if HOPPER_FWD_CONFIGS[head_dim].causal_alibi or not causal:
         kernel, grid, kwargs = hopper.fwd_launch(with_alibi, out, lse)
         results.append(_compile(f"{prefix} fwd {alibi}", kernel, grid, kwargs))

@@ -1,7 +1,8 @@
 """Forward attention for Hopper (sm_90a) in Triton's Gluon dialect, FlashAttention-3's structure.
 
-One CTA holds ``64 * NUM_CONSUMERS`` query rows of one (batch, head). Warp roles
-(``gl.warp_specialize``):
+A query tile is ``64 * NUM_CONSUMERS`` rows of one (batch, head); CTAs are persistent and run their
+tiles one after another, the rings' slots and phases running on across tiles (see ``_tile``). Warp
+roles (``gl.warp_specialize``):
 
 * consumer warpgroups (4 warps each; consumer 0 is the default partition) own 64 query rows. Per
   key tile j they issue ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` as async wgmma, run the online
@@ -58,14 +59,24 @@ def _key_tiles(m0, seqlen, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.const
 
 
 @gluon.jit
-def _this_program(seqlen, H, BLOCK_M: gl.constexpr):
-    """(batch, head, first query row). The grid is 1-D (grid y stops at 65535, less than batch *
-    heads can be) with a head's query tiles adjacent, so its K/V stay in L2; they run last-first:
-    under a causal mask the longest start first, and a full mask does not care."""
+def _tile(t, seqlen, H, tiles, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+    """(batch, head, first query row) of query tile t (the grid is 1-D: grid y stops at 65535).
+
+    One tile per CTA: a head's tiles are adjacent, so its K/V stay in L2, and last-first, so that
+    under a causal mask the longest start first and the hardware's dispatch balances the rest.
+    Persistent CTAs run tiles c, c + G, c + 2G, ... of a grid of G: the tiles in flight stay
+    contiguous, and a CTA's next tile loads K/V while it finishes the last. Under a causal mask
+    they go query-tile major, longest first across all (batch, head) pairs: head-major, CTA
+    c's tiles would be a run of adjacent lengths, the first CTAs' all long (0.64 of the work
+    balanced at 16k)."""
     n_m = gl.cdiv(seqlen, BLOCK_M)
-    pid = gl.program_id(0)
-    bh = pid // n_m
-    pid_m = n_m - 1 - pid % n_m
+    if PERSISTENT and CAUSAL:
+        n_bh = tiles // n_m
+        bh = t % n_bh
+        pid_m = n_m - 1 - t // n_bh
+    else:
+        bh = t // n_m
+        pid_m = n_m - 1 - t % n_m
     return bh // H, bh % H, pid_m * BLOCK_M
 
 
@@ -83,18 +94,37 @@ def packed_sequence(b, seqlen, seqstart_ptr, GROUP: gl.constexpr):
 
 @gluon.jit
 def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H,
-              kv_group, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, GROUP: gl.constexpr):
-    b, h, m0 = _this_program(seqlen, H, BLOCK_M)
+              kv_group, tiles, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr):
+    if PERSISTENT:
+        pos = 0  # key tiles through the ring so far: slots and phases run on across the CTA's tiles
+        for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
+            pos = _produce_tile(t, pos, k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                                seqstart_ptr, seqlen, H, kv_group, tiles, left, right, BLOCK_M, BLOCK_N, STAGES,
+                                CAUSAL, WINDOW, GROUP, PERSISTENT)
+    else:  # one tile per CTA (the ring position a tensor: the tile's branch returns one)
+        _produce_tile(gl.program_id(0), gl.to_tensor(0), k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+                      v_empty, seqstart_ptr, seqlen, H, kv_group, tiles, left, right, BLOCK_M, BLOCK_N, STAGES,
+                      CAUSAL, WINDOW, GROUP, PERSISTENT)
+
+
+@gluon.jit
+def _produce_tile(t, pos, k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen,
+                  H, kv_group, tiles, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, GROUP: gl.constexpr,
+                  PERSISTENT: gl.constexpr):
+    """K/V of tile t into the rings from ring position ``pos``; returns the position after them."""
+    b, h, m0 = _tile(t, seqlen, H, tiles, BLOCK_M, CAUSAL, PERSISTENT)
     bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
-    if m0 < seqlen_b:  # group mode: the grid covers the longest sequence
+    if m0 < seqlen_b:  # group mode: the tiles cover the longest sequence
         first, _, _, end = _key_tiles(m0, seqlen_b, left, right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
         h_kv = h // kv_group
         for it in range(end - first):
-            s = it % STAGES
-            # Use u = it // STAGES of slot s waits for the consumers' release of use u - 1; a fresh
-            # mbarrier counts as having completed the phase before its first, so u = 0 passes at once.
-            ph = ((it // STAGES) & 1) ^ 1
+            u = pos + it
+            s = u % STAGES
+            # Use u // STAGES of slot s waits for the consumers' release of the use before; a fresh
+            # mbarrier counts as having completed the phase before its first, so use 0 passes at once.
+            ph = ((u // STAGES) & 1) ^ 1
             n0 = row_base + (first + it) * BLOCK_N
             mbarrier.wait(k_empty.index(s), ph)
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
@@ -102,6 +132,8 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty
             mbarrier.wait(v_empty.index(s), ph)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(v_desc, [bd, n0, h_kv, 0], v_ready.index(s), v_bufs.index(s))
+        pos += end - first
+    return pos
 
 
 @gluon.jit
@@ -143,13 +175,14 @@ def _softmax_update(qk, m_i, l_i, kv0, rows, seqlen, qk_scale, left, right, slop
 
 
 @gluon.jit
-def _consumer_step(j, first, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, o_acc, p_op, m_i, l_i,
+def _consumer_step(j, ring0, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, o_acc, p_op, m_i, l_i,
                    rows, seqlen, qk_scale, left, right, slope, s_layout: gl.constexpr, o_layout: gl.constexpr,
                    p_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                    STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                    ALIBI: gl.constexpr):
-    """Key tile j > first: S_j = Q K_j^T beside O += P_{j-1} V_{j-1}, then the softmax of S_j."""
-    it = j - first  # ring position
+    """Key tile j > first: S_j = Q K_j^T beside O += P_{j-1} V_{j-1}, then the softmax of S_j; key
+    tile j is at ring position ring0 + j."""
+    it = ring0 + j
     s = it % STAGES
     sp = (it - 1) % STAGES
     mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
@@ -173,26 +206,55 @@ def _consumer_step(j, first, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready, 
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
-              v_ready, v_empty, seqstart_ptr, seqlen, H, stride_os, stride_oh, lse_stride_b, lse_stride_h, qk_scale,
-              left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b, lse_stride_h,
+              qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-              ALIBI: gl.constexpr, GROUP: gl.constexpr):
-    b, h, m0 = _this_program(seqlen, H, BLOCK_M)
+              ALIBI: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr):
+    if PERSISTENT:
+        pid = gl.program_id(0)
+        grid = gl.num_programs(0)
+        pos = 0  # key tiles through the ring so far, as in the producer
+        for t in range(pid, tiles, grid):
+            pos = _consume_tile(WG, t, pos, (t - pid) // grid, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars,
+                                k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles,
+                                stride_os, stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr,
+                                stride_ab, stride_ah, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI,
+                                GROUP, PERSISTENT)
+    else:  # one tile per CTA
+        _consume_tile(WG, gl.program_id(0), gl.to_tensor(0), 0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars,
+                      k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os,
+                      stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
+                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT)
+
+
+@gluon.jit
+def _consume_tile(WG: gl.constexpr, t, pos, done, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs,
+                  k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh,
+                  lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr,
+                  PERSISTENT: gl.constexpr):
+    """Tile t, the CTA's tile number ``done``, its key tiles from ring position ``pos``; returns
+    the position after them."""
+    b, h, m0 = _tile(t, seqlen, H, tiles, BLOCK_M, CAUSAL, PERSISTENT)
     bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
-    if m0 < seqlen_b:  # group mode: the grid covers the longest sequence
-        _consumer_tile(WG, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
-                       v_ready, v_empty, b, h, m0, bd, row_base, seqlen_b, stride_os, stride_oh,
-                       lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                       BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP)
+    if m0 < seqlen_b:  # group mode: the tiles cover the longest sequence
+        pos = _consumer_tile(WG, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready,
+                             k_empty, v_ready, v_empty, pos, done, b, h, m0, bd, row_base, seqlen_b, stride_os,
+                             stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab,
+                             stride_ah, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP)
+    return pos
 
 
 @gluon.jit
 def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready,
-                   k_empty, v_ready, v_empty, b, h, m0, bd, row_base, seqlen, stride_os, stride_oh, lse_stride_b,
-                   lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                   WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr):
-    """Warpgroup WG's 64 query rows of the CTA's tile; rows, keys and seqlen are the sequence's."""
+                   k_empty, v_ready, v_empty, pos, done, b, h, m0, bd, row_base, seqlen, stride_os, stride_oh,
+                   lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr):
+    """Warpgroup WG's 64 query rows of one tile; rows, keys and seqlen are the sequence's. Its first
+    key tile is at ring position ``pos``, and ``done`` tiles came before it; returns the position
+    after its last key tile."""
     ROWS: gl.constexpr = ROWS_PER_CONSUMER
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -214,16 +276,18 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
     q_bar = q_bars.index(WG)
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [bd, row_base + row0, h, 0], q_bar, q_smem)
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_bar, done & 1)
     q_tile = q_smem.reshape([ROWS, HEAD_DIM])
 
     # The first tile is always masked: cheap, and it keeps the loops below uniform.
-    mbarrier.wait(k_ready.index(0), 0)
-    k_t = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+    ring0 = pos - first  # the ring position of key tile 0
+    s0 = pos % STAGES
+    mbarrier.wait(k_ready.index(s0), (pos // STAGES) & 1)
+    k_t = k_bufs.index(s0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
     qk = warpgroup_mma(q_tile, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False,
                        is_async=True)
     qk = warpgroup_mma_wait(0, deps=[qk])
-    mbarrier.arrive(k_empty.index(0))
+    mbarrier.arrive(k_empty.index(s0))
     m_i = gl.full([ROWS], -float("inf"), gl.float32, row_layout)
     l_i = gl.full([ROWS], 0.0, gl.float32, row_layout)
     p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, first * BLOCK_N, rows, seqlen, qk_scale, left, right,
@@ -236,22 +300,22 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
     hi = gl.minimum(gl.maximum(inner_hi, lo), end)
     if WINDOW:
         for j in range(first + 1, lo):
-            o_acc, p_op, m_i, l_i = _consumer_step(j, first, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+            o_acc, p_op, m_i, l_i = _consumer_step(j, ring0, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready,
                                                    v_empty, o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left,
                                                    right, slope, s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM,
                                                    STAGES, True, CAUSAL, WINDOW, ALIBI)
     for j in range(lo, hi):
-        o_acc, p_op, m_i, l_i = _consumer_step(j, first, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+        o_acc, p_op, m_i, l_i = _consumer_step(j, ring0, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                                                o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left, right, slope,
                                                s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, False,
                                                CAUSAL, WINDOW, ALIBI)
     for j in range(hi, end):
-        o_acc, p_op, m_i, l_i = _consumer_step(j, first, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+        o_acc, p_op, m_i, l_i = _consumer_step(j, ring0, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
                                                o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left, right, slope,
                                                s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, True,
                                                CAUSAL, WINDOW, ALIBI)
 
-    jl = end - 1 - first
+    jl = ring0 + end - 1
     sl = jl % STAGES
     mbarrier.wait(v_ready.index(sl), (jl // STAGES) & 1)
     o_acc = warpgroup_mma(p_op, v_bufs.index(sl).reshape([BLOCK_N, HEAD_DIM]), o_acc, is_async=True)
@@ -274,19 +338,21 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
         q_tile.store(o_acc.to(dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [bd, row_base + row0, h, 0], q_smem)
-        tma.store_wait(0)
+        tma.store_wait(0)  # before the next tile's Q lands in this buffer
+    return ring0 + end
 
 
 # Lengths, head counts and window sizes are not specialized: one compile serves every shape of a
 # config. WINDOW: a sliding window of ``left`` keys back and ``right`` ahead (unbounded sides come
 # as 2 * seqlen); ALIBI: 0 none, 1 -slope * |i - j|, 2 slope * j (causal), slopes [B?, H] strided.
-@gluon.jit(do_not_specialize=["seqlen", "H", "kv_group", "left", "right", "stride_ab", "stride_ah", "stride_os",
-                              "stride_oh", "lse_stride_b", "lse_stride_h"])
+@gluon.jit(do_not_specialize=["seqlen", "H", "kv_group", "tiles", "left", "right", "stride_ab", "stride_ah",
+                              "stride_os", "stride_oh", "lse_stride_b", "lse_stride_h"])
 def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, alibi_ptr, seqstart_ptr, seqlen, H,
-                                kv_group, qk_scale, left, right, stride_ab, stride_ah, stride_os, stride_oh,
+                                kv_group, tiles, qk_scale, left, right, stride_ab, stride_ah, stride_os, stride_oh,
                                 lse_stride_b, lse_stride_h, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                                 STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr):
+                                CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr,
+                                PERSISTENT: gl.constexpr):
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3)
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * NUM_CONSUMERS
     dtype: gl.constexpr = q_desc.dtype
@@ -314,30 +380,30 @@ def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
-                          v_ready, v_empty, seqstart_ptr, seqlen, H, stride_os, stride_oh, lse_stride_b, lse_stride_h,
-                          qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                          CAUSAL, WINDOW, ALIBI, GROUP)),
+                          v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
+                          lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N,
+                          HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT)),
             (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
-                          v_ready, v_empty, seqstart_ptr, seqlen, H, stride_os, stride_oh, lse_stride_b, lse_stride_h,
-                          qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                          CAUSAL, WINDOW, ALIBI, GROUP)),
+                          v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
+                          lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N,
+                          HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H,
-                         kv_group, left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP)),
+                         kv_group, tiles, left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
-                          v_ready, v_empty, seqstart_ptr, seqlen, H, stride_os, stride_oh, lse_stride_b, lse_stride_h,
-                          qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                          CAUSAL, WINDOW, ALIBI, GROUP)),
+                          v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
+                          lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N,
+                          HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT)),
             (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
-                          v_ready, v_empty, seqstart_ptr, seqlen, H, stride_os, stride_oh, lse_stride_b, lse_stride_h,
-                          qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                          CAUSAL, WINDOW, ALIBI, GROUP)),
+                          v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
+                          lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N,
+                          HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT)),
             (_consumer, (2, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
-                          v_ready, v_empty, seqstart_ptr, seqlen, H, stride_os, stride_oh, lse_stride_b, lse_stride_h,
-                          qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                          CAUSAL, WINDOW, ALIBI, GROUP)),
+                          v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
+                          lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N,
+                          HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H,
-                         kv_group, left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP)),
+                         kv_group, tiles, left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])

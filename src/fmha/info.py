@@ -45,10 +45,10 @@ def features() -> list[tuple[str, bool, str]]:
         ("masks, bias and dbias, ALiBi, dropout (CK's bytes), GQA/MQA, group mode", True, "yes"),
         ("deterministic backward", True, "bitwise repeatable, no workspace"),
         ("Hopper fast path (Gluon, warp-specialized)", hopper_off is None,
-         hopper_off or ("forward and atomic backward d 64/128/256: fp16/bf16 batch mode, seqlen_q == "
-                        "seqlen_k, no bias or dropout; windows and ALiBi too (the backward not at d 256), "
-                        "and varlen with one seqstart (the backward not at d 256); the portable kernels "
-                        "take the rest")),
+         hopper_off or ("forward and atomic backward d 64/128/256: fp16/bf16, seqlen_q == seqlen_k, "
+                        "GQA/MQA, no bias or dropout; windows and ALiBi too (the backward not at d 256), "
+                        "and varlen with one seqstart (the backward not at d 256); persistent forward CTAs "
+                        "for short sequences; the portable kernels take the rest")),
         ("TMA bulk dQ reduction (atomic backward)", gpu and cap >= (9, 0),
          "Hopper or newer" if gpu and cap >= (9, 0) else
          ("needs compute capability 9.0; per-element atomics instead" if gpu else "GPU only; per-element path")),

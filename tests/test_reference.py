@@ -102,6 +102,17 @@ def test_fully_masked_rows_give_zero_and_minus_inf():
     assert torch.equal(empty.out, torch.zeros_like(empty.out)) and torch.isneginf(empty.lse).all()
 
 
+def test_rows_a_bias_hides_entirely_get_zero_gradients():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 6, 2, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    bias = torch.randn(2, 6, 6, generator=g, dtype=torch.float64)
+    bias[:, 2] = -float("inf")  # row 2 sees no key
+    out = reference.attention(q, k, v, bias=bias).out
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn(out.shape, generator=g, dtype=torch.float64))
+    assert all(torch.isfinite(t).all() for t in (dq, dk, dv))
+    assert torch.equal(out[0, 2], torch.zeros_like(out[0, 2])) and torch.equal(dq[0, 2], torch.zeros_like(dq[0, 2]))
+
+
 def test_alibi_values():
     slopes = torch.tensor([0.5])
     causal = reference.alibi_bias(slopes, fmha.parse_mask("t"), 2, 3)

@@ -229,7 +229,11 @@ def attention(
                 randval[:, q_rows, :sk] = bytes_b
             else:
                 randval[b, :, :sq, :sk] = bytes_b
-        inv_sum = torch.where(row_sum == 0, torch.zeros_like(row_sum), 1.0 / row_sum)
+        # 1 / row_sum only where the row sees something: autograd differentiates both branches of a
+        # where, and 1 / 0 there would turn the hidden rows' zero gradient into NaN.
+        empty_row = row_sum == 0
+        inv_sum = torch.where(empty_row, torch.zeros_like(row_sum),
+                              1.0 / torch.where(empty_row, torch.ones_like(row_sum), row_sum))
         o = (p * inv_sum).to(compute_dtype) @ vb
         if group:
             out[q_rows] = o.transpose(0, 1)

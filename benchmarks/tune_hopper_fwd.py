@@ -2,9 +2,12 @@
 
     python benchmarks/tune_hopper_fwd.py --head-dim 64 --seqlens 1024 4096 16384
     python benchmarks/tune_hopper_fwd.py --head-dim 128 --configs 128,2,2,240,168 64,3,2,240,168
+    python benchmarks/tune_hopper_fwd.py --head-dim 64 --seqlens 1024 2048 --configs 128,2,2,240,168 --persistent 0 0
 
 Each config is ``block_n,stages,consumers,consumer_regs,maxnreg`` (``fmha.configs.HopperFwdConfig``;
-(consumers + 1) * 128 * maxnreg must stay within 65,536 registers). Per shape it prints CUDA-graph
+(consumers + 1) * 128 * maxnreg must stay within 65,536 registers); every candidate runs persistent
+CTAs up to the shipped config's lengths unless ``--persistent MAX MAX_CAUSAL`` sets them (0 0: one
+CTA per tile everywhere). Per shape it prints CUDA-graph
 replay (the kernel alone) / ``do_bench`` (host time included) TFLOP/s, after checking the output
 against the reference on one batch. ``FMHA_PORTABLE=0`` is set, so short sequences run the fast
 path too; ``FMHA_PORTABLE=1 fmha bench`` gives the portable kernel's figures to compare. Winners,
@@ -15,6 +18,7 @@ by hand.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 import torch
@@ -45,11 +49,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per batch (b = tokens // seqlen)")
     parser.add_argument("--configs", nargs="+", help="candidates as block_n,stages,consumers,consumer_regs,maxnreg "
                                                      "(default: the shipped one)")
+    parser.add_argument("--persistent", type=int, nargs=2, metavar=("MAX", "MAX_CAUSAL"),
+                        help="persistent CTAs up to these lengths (default: the shipped config's)")
     args = parser.parse_args()
     os.environ["FMHA_PORTABLE"] = "0"
     d = args.head_dim
     shipped = configs.HOPPER_FWD_CONFIGS[d]
+    limits = args.persistent or (shipped.persistent_max_seqlen, shipped.persistent_max_seqlen_causal)
     candidates = [configs.HopperFwdConfig(*map(int, c.split(","))) for c in args.configs or []] or [shipped]
+    candidates = [dataclasses.replace(c, persistent_max_seqlen=limits[0], persistent_max_seqlen_causal=limits[1])
+                  for c in candidates]
     for cfg in candidates:
         configs.HOPPER_FWD_CONFIGS[d] = cfg
         cells = []
@@ -65,7 +74,8 @@ def main() -> None:
                     cells.append(f"{name} {flops / graph / 1e9:5.0f}/{flops / eager / 1e9:5.0f}")
                 except Exception as exc:  # a config that fails to compile or is wrong is reported
                     cells.append(f"{name} {type(exc).__name__}")
-        fields = f"{cfg.block_n},{cfg.stages},{cfg.consumers},{cfg.consumer_regs},{cfg.maxnreg}"
+        fields = (f"{cfg.block_n},{cfg.stages},{cfg.consumers},{cfg.consumer_regs},{cfg.maxnreg} persistent "
+                  f"{cfg.persistent_max_seqlen}/{cfg.persistent_max_seqlen_causal}")
         print(f"d={d} {fields}: " + "  ".join(cells), flush=True)
     configs.HOPPER_FWD_CONFIGS[d] = shipped
 

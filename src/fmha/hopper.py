@@ -160,16 +160,8 @@ def _window_and_alibi_args(inputs: AttentionInputs, placeholder: torch.Tensor) -
 
 
 @functools.lru_cache(maxsize=None)
-def _device_sm_count(index: int) -> int:
+def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sm_count(device: torch.device, tiles: int) -> int:
-    """The SMs of a CUDA device; elsewhere (compiling for sm_90a on a CPU) ``tiles``, a grid of one
-    tile per CTA."""
-    if device.type != "cuda":
-        return tiles
-    return _device_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def fwd_persistent(inputs: AttentionInputs) -> bool:
@@ -198,15 +190,18 @@ def fwd_launch(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
     tiles = triton.cdiv(seqlen, rows * cfg.consumers) * batch * nhead
     features = _window_and_alibi_args(inputs, lse)
     persistent = fwd_persistent(inputs)
-    grid = (min(tiles, _sm_count(q.device, tiles)) if persistent else tiles,)  # 1-D: grid y stops at 65535
+    if persistent and q.device.type == "cuda":  # (compiling for sm_90a on a CPU: one tile per CTA)
+        device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        grid = (min(tiles, _sm_count(device)),)
+    else:
+        grid = (tiles,)  # 1-D: grid y stops at 65535
     kwargs = dict(
         q_desc=_desc(q, rows, head_dim), k_desc=_desc(k, cfg.block_n, head_dim),
         v_desc=_desc(v, cfg.block_n, head_dim), o_desc=_desc(out, rows, head_dim), out_ptr=out, lse_ptr=lse,
         seqstart_ptr=inputs.seqstart_q if inputs.group else lse, seqlen=seqlen, H=nhead,
         kv_group=inputs.nhead_q // inputs.nhead_k, tiles=tiles, qk_scale=inputs.scale * LOG2E,
         stride_os=out.stride(1), stride_oh=out.stride(2), lse_stride_b=lse_strides[0], lse_stride_h=lse_strides[1],
-        BLOCK_N=cfg.block_n,
-        HEAD_DIM=head_dim, STAGES=cfg.stages, NUM_CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs,
+        BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, STAGES=cfg.stages, NUM_CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs,
         CAUSAL=inputs.mask.is_causal, GROUP=inputs.group, PERSISTENT=persistent, num_warps=4,
         maxnreg=cfg.maxnreg, **features,
     )

@@ -194,6 +194,10 @@ def test_the_forward_takes_a_bias_that_tma_can_read(monkeypatch, bias_shape):
     (dict(bias=torch.empty(64, 72, dtype=torch.bfloat16)[:, :64]), None),
     (dict(bias=torch.empty(64, 68, dtype=torch.bfloat16)[:, :64]), "an elementwise bias without contiguous keys"),
     (dict(head_dim=64, bias=torch.empty(64, 64, dtype=torch.bfloat16)), "elementwise bias at head dim 64"),
+    (dict(bias=torch.empty(64, 64, dtype=torch.bfloat16), alibi_slopes=torch.ones(4)),
+     "an elementwise bias with ALiBi or a sliding window"),
+    (dict(bias=torch.empty(64, 64, dtype=torch.bfloat16), mask="t:16,0"),
+     "an elementwise bias with ALiBi or a sliding window"),
 ])
 def test_biases_the_forward_leaves_to_the_portable_kernel(monkeypatch, kwargs, reason):
     _on_cuda(monkeypatch)

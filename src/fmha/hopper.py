@@ -79,6 +79,8 @@ def _bias_reason(inputs: AttentionInputs) -> str | None:
     stride_b, stride_h, stride_row, stride_col = bias.stride()
     if bias.dtype != inputs.q.dtype:
         return f"an elementwise bias of dtype {bias.dtype}, not q's"
+    if inputs.alibi_slopes is not None or (inputs.mask.type != MaskType.NONE and not inputs.mask.is_causal):
+        return "an elementwise bias with ALiBi or a sliding window"  # not compile-checked or tested together
     aligned = all(st * bias.element_size() % 16 == 0 for st in (stride_b, stride_h, stride_row))
     if stride_col != 1 or stride_row == 0 or not aligned or bias.data_ptr() % 16:
         return "an elementwise bias without contiguous keys, broadcast over query rows, or not 16-byte aligned"

@@ -162,6 +162,53 @@ def test_forward_with_window_or_alibi_against_reference(case):
         assert max_error(got, exact) <= error_bound(dtype, max_error(low, exact)), f"d{name}"
 
 
+# The forward with an elementwise bias (through the K ring by TMA; the backward then runs the
+# portable kernels from the fast forward's LSE): every broadcast form TMA reads, a causal mask,
+# ragged lengths, d = 128/256, and -inf entries, whole rows of them included (O = 0, LSE = -inf).
+# Lengths are multiples of 8 (TMA wants 16-byte row strides; others stay portable) but not of the
+# tiles; "pad" rows are a view of wider rows (row stride != seqlen).
+# (batch, seqlen, nhead_q, nhead_k, head_dim, mask, bias shape, -inf entries, dtype)
+BIAS_CASES = [
+    (2, 1000, 4, 4, 128, None, "hss", False, torch.bfloat16),
+    (2, 776, 4, 4, 128, "t", "bhss", False, torch.float16),
+    (1, 1496, 2, 2, 256, None, "ss", False, torch.bfloat16),
+    (2, 1000, 4, 4, 128, None, "hss", True, torch.bfloat16),
+    (2, 1200, 2, 2, 256, "b", "bhss", True, torch.bfloat16),
+    (2, 520, 8, 2, 128, "t", "bhss-pad", False, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", BIAS_CASES, ids=[
+    f"s{c[1]}-h{c[2]}/{c[3]}-d{c[4]}-{c[5] or 'n'}-{c[6]}{'-inf' if c[7] else ''}-{str(c[8])[6:]}"
+    for c in BIAS_CASES])
+def test_forward_with_bias_against_reference(case):
+    batch, seqlen, nhead, nhead_k, head_dim, mask, form, with_inf, dtype = case
+    q, k, v, dout, _ = _problem((batch, seqlen, nhead, nhead_k, head_dim, mask, dtype, "bshd"))
+    g = torch.Generator().manual_seed(7)
+    rows = {"ss": (seqlen,), "hss": (nhead, seqlen), "bhss": (batch, nhead, seqlen),
+            "bhss-pad": (batch, nhead, seqlen)}[form]
+    full = torch.randn(*rows, seqlen + (24 if form == "bhss-pad" else 0), generator=g)
+    if with_inf:
+        full[torch.rand(full.shape, generator=g) < 0.2] = -float("inf")
+        full[..., 5, :] = -float("inf")  # a row that sees nothing
+    bias = full.to("cuda", dtype)[..., :seqlen]  # sliced on the device: the padded row stride stays
+    assert hopper.fwd_unsupported(check_inputs(q, k, v, mask=mask, bias=bias)) is None
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    result = fmha.fwd(*leaves, mask=mask, bias=bias, return_lse=True)
+    grads = torch.autograd.grad(fmha.attention(*leaves, mask=mask, bias=bias), leaves, dout)
+
+    def reference(compute):
+        return _reference(q, k, v, dout, dict(mask=mask, bias=bias.to(compute)), compute)
+
+    (exact_out, exact_lse, exact_grads), (low_out, _, low_grads) = reference(torch.float32), reference(dtype)
+    assert max_error(result.out, exact_out) <= error_bound(dtype, max_error(low_out, exact_out))
+    assert max_error(result.lse, exact_lse) <= 2e-3
+    if with_inf:
+        assert torch.all(result.out[:, 5] == 0) and torch.all(result.lse[..., 5] == -float("inf"))
+    for name, got, exact, low in zip("qkv", grads, exact_grads, low_grads):
+        assert max_error(got, exact) <= error_bound(dtype, max_error(low, exact)), f"d{name}"
+
+
 # Group (varlen) mode on the fast path: queries and keys share one seqstart. Sequences of one
 # row, ragged ones, one longer than the rest (most CTAs of the others exit at once); GQA, masks
 # and ALiBi. The backward takes the fast path at d = 64/128.

@@ -176,3 +176,49 @@ def test_group_mode_forward_runs_one_cta_per_tile():
     packed = torch.empty(1000, 4, 128, dtype=torch.bfloat16)
     starts = torch.tensor([0, 400, 1000], dtype=torch.int32)
     assert not hopper.fwd_persistent(check_inputs(packed, packed, packed, seqstart_q=starts, seqstart_k=starts))
+
+
+@pytest.mark.parametrize("bias_shape", [(64, 64), (4, 64, 64), (2, 1, 64, 64), (2, 4, 64, 64)])
+def test_the_forward_takes_a_bias_that_tma_can_read(monkeypatch, bias_shape):
+    _on_cuda(monkeypatch)
+    inputs = _inputs(bias=torch.empty(bias_shape, dtype=torch.bfloat16))
+    assert hopper.fwd_unsupported(inputs) is None
+    assert hopper.bwd_unsupported(inputs, deterministic=False) == "elementwise bias"
+    assert not hopper.fwd_persistent(inputs)
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(bias=torch.empty(64, 64)), "an elementwise bias of dtype torch.float32, not q's"),
+    (dict(bias=torch.empty(64, 1, dtype=torch.bfloat16)), "an elementwise bias without contiguous keys"),
+    (dict(bias=torch.empty(1, 64, dtype=torch.bfloat16)), "an elementwise bias without contiguous keys"),
+    (dict(bias=torch.empty(64, 72, dtype=torch.bfloat16)[:, :64]), None),
+    (dict(bias=torch.empty(64, 68, dtype=torch.bfloat16)[:, :64]), "an elementwise bias without contiguous keys"),
+    (dict(head_dim=64, bias=torch.empty(64, 64, dtype=torch.bfloat16)), "elementwise bias at head dim 64"),
+    (dict(bias=torch.empty(64, 64, dtype=torch.bfloat16), alibi_slopes=torch.ones(4)),
+     "an elementwise bias with ALiBi or a sliding window"),
+    (dict(bias=torch.empty(64, 64, dtype=torch.bfloat16), mask="t:16,0"),
+     "an elementwise bias with ALiBi or a sliding window"),
+])
+def test_biases_the_forward_leaves_to_the_portable_kernel(monkeypatch, kwargs, reason):
+    _on_cuda(monkeypatch)
+    got = hopper.fwd_unsupported(_inputs(**kwargs))
+    assert got == reason if reason is None else got.startswith(reason)
+
+
+def test_bias_descriptor_reads_broadcast_dims_at_coordinate_zero():
+    bias = torch.empty(4, 1000, 1000, dtype=torch.bfloat16)  # [H, S, S], broadcast over the batch
+    q = torch.empty(2, 1000, 4, 128, dtype=torch.bfloat16)
+    inputs = check_inputs(q, q, q, bias=bias)
+    _, _, kwargs = hopper.fwd_launch(inputs, torch.empty_like(q), torch.empty(inputs.lse_shape))
+    assert kwargs["BIAS"] and (kwargs["bias_step_b"], kwargs["bias_step_h"]) == (0, 1)
+    assert kwargs["bias_desc"].shape == [1, 4, 1000, 1000]
+    assert kwargs["bias_desc"].block_shape == [1, 1, 64, 128]
+
+
+def test_group_mode_forward_with_a_bias_is_left_to_the_portable_kernel():
+    packed = torch.empty(100, 4, 128, dtype=torch.bfloat16)
+    starts = torch.tensor([0, 40, 100], dtype=torch.int32)
+    inputs = check_inputs(packed, packed, packed, seqstart_q=starts, seqstart_k=starts,
+                          bias=torch.empty(4, 100, 60, dtype=torch.bfloat16))
+    assert hopper._problem_reason(inputs, hopper.HOPPER_FWD_CONFIGS, True, True, True) == \
+        "elementwise bias in group mode"

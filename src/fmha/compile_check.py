@@ -162,7 +162,8 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
     """The Hopper fast path's launches: the Gluon forward (persistent and one CTA per tile where
     the config has both) and the backward's three kernels where
     the head dim has a backward config; the forward and the backward's main kernel also with ALiBi
-    (and without a causal mask a sliding window with ALiBi) where they take it, and in group mode."""
+    (and without a causal mask a sliding window with ALiBi) where they take it, and in group mode;
+    the forward with a bias where its config takes one."""
     prefix = _hopper_name(dtype, head_dim, causal)
     q = torch.empty(2, 1000, 4, head_dim, dtype=dtype)  # a ragged length: nothing specializes on it
     k, v = torch.empty_like(q), torch.empty_like(q)
@@ -181,6 +182,10 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
     if HOPPER_FWD_CONFIGS[head_dim].causal_alibi or not causal:
         kernel, grid, kwargs = hopper.fwd_launch(with_alibi, out, lse)
         results.append(_compile(f"{prefix} fwd {alibi}", kernel, grid, kwargs))
+    if HOPPER_FWD_CONFIGS[head_dim].bias:  # a [H, S, S] bias, broadcast over the batch
+        biased = check_inputs(q, k, v, mask="t" if causal else None, bias=torch.empty(4, 1000, 1000, dtype=dtype))
+        kernel, grid, kwargs = hopper.fwd_launch(biased, out, lse)
+        results.append(_compile(f"{prefix} fwd bias", kernel, grid, kwargs))
     packed = torch.empty(1000, 4, head_dim, dtype=dtype)  # group mode: two sequences, one seqstart
     starts = torch.tensor([0, 400, 1000], dtype=torch.int32)
     grouped = check_inputs(packed, packed, packed, seqstart_q=starts, seqstart_k=starts, mask="t" if causal else None)

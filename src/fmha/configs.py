@@ -150,6 +150,7 @@ class HopperFwdConfig:
     # above them (0: never); not for windows, ALiBi or group mode.
     persistent_max_seqlen: int = 0
     persistent_max_seqlen_causal: int = 0
+    bias: bool = False  # an elementwise bias tile through the K ring (its shared memory must fit)
 
 
 # head dim -> config (fp16 and bf16 alike); all compile for sm_90a without spills.
@@ -166,9 +167,10 @@ HOPPER_FWD_CONFIGS: dict[int, HopperFwdConfig] = {
                         persistent_max_seqlen=2048),
     # 623 TFLOP/s at s=16k (bf16). Persistent: 1k 1.24 (591 against 477), 4k 1.01, 16k 1.00; causal
     # 1k 1.06, 4k 0.91, 16k 0.88 (static turns balance causal tiles worse than the hardware's dispatch).
-    128: HopperFwdConfig(128, 2, 2, 240, 168, persistent_max_seqlen=2048, persistent_max_seqlen_causal=1024),
+    128: HopperFwdConfig(128, 2, 2, 240, 168, persistent_max_seqlen=2048, persistent_max_seqlen_causal=1024,
+                         bias=True),
     # 718 at s=16k. Persistent: 1k 1.09, 4k 0.98, 16k 0.97; causal 1k 0.86, 4k 0.93, 16k 0.86.
-    256: HopperFwdConfig(64, 2, 2, 240, 168, persistent_max_seqlen=2048),
+    256: HopperFwdConfig(64, 2, 2, 240, 168, persistent_max_seqlen=2048, bias=True),
 }
 
 

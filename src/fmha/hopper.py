@@ -42,10 +42,10 @@ def device_unsupported(device: torch.device) -> str | None:
 
 
 def _problem_reason(inputs: AttentionInputs, head_dims, windows_and_alibi: bool = False,
-                    group: bool = False) -> str | None:
+                    group: bool = False, bias: bool = False) -> str | None:
     """Why the fast path's kernels do not cover a problem; with ``windows_and_alibi`` they also
     take sliding windows and ALiBi, with ``group`` group mode whose queries and keys share one
-    ``seqstart``."""
+    ``seqstart``, with ``bias`` an elementwise bias that TMA can read (see ``_bias_reason``)."""
     q, k = inputs.q, inputs.k
     group_rows = group and inputs.group and _shared_sequences(inputs)
     checks = [
@@ -57,7 +57,8 @@ def _problem_reason(inputs: AttentionInputs, head_dims, windows_and_alibi: bool 
         (not inputs.group and q.shape[1] != k.shape[1], "seqlen_q != seqlen_k"),
         (inputs.head_dim_q != inputs.head_dim_v or inputs.head_dim_q not in head_dims,
          f"head dims {sorted(head_dims)} with dq == dv only"),
-        (inputs.bias is not None, "elementwise bias"),
+        (inputs.bias is not None and not bias, "elementwise bias"),
+        (bias and _bias_reason(inputs) is not None, _bias_reason(inputs)),
         (inputs.alibi_slopes is not None and not windows_and_alibi, "ALiBi"),
         (inputs.dropout_p > 0, "dropout"),
         (inputs.mask.type != MaskType.NONE and not inputs.mask.is_causal and not windows_and_alibi,
@@ -65,6 +66,25 @@ def _problem_reason(inputs: AttentionInputs, head_dims, windows_and_alibi: bool 
         (inputs.max_seqlen_q == 0 or inputs.batch * inputs.nhead_q == 0, "empty problem"),
     ]
     return next((why for failed, why in checks if failed), None)
+
+
+def _bias_reason(inputs: AttentionInputs) -> str | None:
+    """Why TMA cannot read this bias tile by tile: it wants batch mode, q's dtype, contiguous keys,
+    a row stride (no broadcast over query rows) and 16-byte aligned strides and base."""
+    bias = inputs.bias
+    if bias is None:
+        return None
+    if inputs.group:
+        return "elementwise bias in group mode"
+    stride_b, stride_h, stride_row, stride_col = bias.stride()
+    if bias.dtype != inputs.q.dtype:
+        return f"an elementwise bias of dtype {bias.dtype}, not q's"
+    if inputs.alibi_slopes is not None or (inputs.mask.type != MaskType.NONE and not inputs.mask.is_causal):
+        return "an elementwise bias with ALiBi or a sliding window"  # not compile-checked or tested together
+    aligned = all(st * bias.element_size() % 16 == 0 for st in (stride_b, stride_h, stride_row))
+    if stride_col != 1 or stride_row == 0 or not aligned or bias.data_ptr() % 16:
+        return "an elementwise bias without contiguous keys, broadcast over query rows, or not 16-byte aligned"
+    return None
 
 
 def _shared_sequences(inputs: AttentionInputs) -> bool:
@@ -90,11 +110,13 @@ def _slower_reason(inputs: AttentionInputs, min_seqlen: int, min_seqlen_causal: 
 
 def fwd_unsupported(inputs: AttentionInputs) -> str | None:
     """Why the Hopper forward does not run this problem, or None."""
-    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_FWD_CONFIGS, True, True)
+    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_FWD_CONFIGS, True, True, True)
     if reason is None:
         cfg = HOPPER_FWD_CONFIGS[inputs.head_dim_q]
         if inputs.alibi_slopes is not None and inputs.mask.is_causal and not cfg.causal_alibi:
             return f"ALiBi under a causal mask at head dim {inputs.head_dim_q}"
+        if inputs.bias is not None and not cfg.bias:
+            return f"elementwise bias at head dim {inputs.head_dim_q}"
         reason = _slower_reason(inputs, cfg.min_seqlen, cfg.min_seqlen_causal)
     return reason
 
@@ -164,6 +186,26 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _bias_args(inputs: AttentionInputs, rows: int, block_n: int) -> dict:
+    """The forward's bias arguments: a descriptor over ``[B or 1, H or 1, S, S]`` with boxes
+    ``[1, 1, rows, block_n]``, and the coordinate step of batch and head (0 where the bias is
+    broadcast); without a bias the K descriptor stands in (never read)."""
+    bias = inputs.bias
+    if bias is None:
+        return dict(BIAS=False, bias_step_b=0, bias_step_h=0)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    batch, nhead, seqlen_q, seqlen_k = bias.shape
+    stride_b, stride_h, stride_row, _ = bias.stride()
+    # A broadcast dim is one row of the descriptor, read at coordinate 0; its stride only needs to
+    # be valid for TMA.
+    shape = [batch if stride_b else 1, nhead if stride_h else 1, seqlen_q, seqlen_k]
+    strides = [stride_b or stride_row * seqlen_q, stride_h or stride_row * seqlen_q, stride_row, 1]
+    block = [1, 1, rows, block_n]
+    desc = TensorDescriptor(bias, shape, strides, block, _smem_layout(tuple(block), bias.dtype, True))
+    return dict(bias_desc=desc, BIAS=True, bias_step_b=int(stride_b != 0), bias_step_h=int(stride_h != 0))
+
+
 def fwd_persistent(inputs: AttentionInputs) -> bool:
     """Whether the fast forward runs persistent CTAs (one per SM, each running query tiles in
     turn) rather than one CTA per tile: for short sequences, where a CTA's fill and drain weigh
@@ -172,7 +214,8 @@ def fwd_persistent(inputs: AttentionInputs) -> bool:
     cfg = HOPPER_FWD_CONFIGS[inputs.head_dim_q]
     limit = cfg.persistent_max_seqlen_causal if inputs.mask.is_causal else cfg.persistent_max_seqlen
     plain = inputs.mask.type == MaskType.NONE or inputs.mask.is_causal
-    return not inputs.group and plain and inputs.alibi_slopes is None and inputs.max_seqlen_q <= limit
+    features = inputs.alibi_slopes is not None or inputs.bias is not None
+    return not inputs.group and plain and not features and inputs.max_seqlen_q <= limit
 
 
 def fwd_launch(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
@@ -195,8 +238,9 @@ def fwd_launch(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
         grid = (min(tiles, _sm_count(device)),)
     else:
         grid = (tiles,)  # 1-D: grid y stops at 65535
+    k_desc = _desc(k, cfg.block_n, head_dim)
     kwargs = dict(
-        q_desc=_desc(q, rows, head_dim), k_desc=_desc(k, cfg.block_n, head_dim),
+        q_desc=_desc(q, rows, head_dim), k_desc=k_desc, bias_desc=k_desc,
         v_desc=_desc(v, cfg.block_n, head_dim), o_desc=_desc(out, rows, head_dim), out_ptr=out, lse_ptr=lse,
         seqstart_ptr=inputs.seqstart_q if inputs.group else lse, seqlen=seqlen, H=nhead,
         kv_group=inputs.nhead_q // inputs.nhead_k, tiles=tiles, qk_scale=inputs.scale * LOG2E,
@@ -205,6 +249,7 @@ def fwd_launch(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
         CAUSAL=inputs.mask.is_causal, GROUP=inputs.group, PERSISTENT=persistent, num_warps=4,
         maxnreg=cfg.maxnreg, **features,
     )
+    kwargs.update(_bias_args(inputs, rows, cfg.block_n))
     return attention_fwd_hopper_kernel, grid, kwargs
 
 

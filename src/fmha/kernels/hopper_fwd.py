@@ -93,27 +93,30 @@ def packed_sequence(b, seqlen, seqstart_ptr, GROUP: gl.constexpr):
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H,
-              kv_group, tiles, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr):
+def _producer(k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr,
+              seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+              GROUP: gl.constexpr, PERSISTENT: gl.constexpr, BIAS: gl.constexpr):
     if PERSISTENT:
         pos = 0  # key tiles through the ring so far: slots and phases run on across the CTA's tiles
         for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
-            pos = _produce_tile(t, pos, k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                                seqstart_ptr, seqlen, H, kv_group, tiles, left, right, BLOCK_M, BLOCK_N, STAGES,
-                                CAUSAL, WINDOW, GROUP, PERSISTENT)
+            pos = _produce_tile(t, pos, k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty,
+                                v_ready, v_empty, seqstart_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h,
+                                left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT, BIAS)
     else:  # one tile per CTA (the ring position a tensor: the tile's branch returns one)
-        _produce_tile(gl.program_id(0), gl.to_tensor(0), k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready,
-                      v_empty, seqstart_ptr, seqlen, H, kv_group, tiles, left, right, BLOCK_M, BLOCK_N, STAGES,
-                      CAUSAL, WINDOW, GROUP, PERSISTENT)
+        _produce_tile(gl.program_id(0), gl.to_tensor(0), k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs,
+                      k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, kv_group, tiles, bias_step_b,
+                      bias_step_h, left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT, BIAS)
 
 
 @gluon.jit
-def _produce_tile(t, pos, k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen,
-                  H, kv_group, tiles, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, GROUP: gl.constexpr,
-                  PERSISTENT: gl.constexpr):
-    """K/V of tile t into the rings from ring position ``pos``; returns the position after them."""
+def _produce_tile(t, pos, k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
+                  seqstart_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  WINDOW: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr, BIAS: gl.constexpr):
+    """K/V of tile t into the rings from ring position ``pos``; returns the position after them. A
+    bias comes with K, one 64-row box per consumer warpgroup on K's barrier: the consumers read
+    it before they release the K slot."""
     b, h, m0 = _tile(t, seqlen, H, tiles, BLOCK_M, CAUSAL, PERSISTENT)
     bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
     if m0 < seqlen_b:  # group mode: the tiles cover the longest sequence
@@ -127,7 +130,14 @@ def _produce_tile(t, pos, k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_re
             ph = ((u // STAGES) & 1) ^ 1
             n0 = row_base + (first + it) * BLOCK_N
             mbarrier.wait(k_empty.index(s), ph)
-            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            if BIAS:
+                consumers: gl.constexpr = BLOCK_M // 64
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes + consumers * bias_desc.block_type.nbytes)
+                for wg in gl.static_range(consumers):
+                    tma.async_copy_global_to_shared(bias_desc, [b * bias_step_b, h * bias_step_h, m0 + wg * 64, n0],
+                                                    k_ready.index(s), bias_bufs.index(wg * STAGES + s))
+            else:
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [bd, n0, h_kv, 0], k_ready.index(s), k_bufs.index(s))
             mbarrier.wait(v_empty.index(s), ph)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
@@ -137,12 +147,13 @@ def _produce_tile(t, pos, k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_re
 
 
 @gluon.jit
-def _softmax_update(qk, m_i, l_i, kv0, rows, seqlen, qk_scale, left, right, slope, s_layout: gl.constexpr,
+def _softmax_update(qk, bias, m_i, l_i, kv0, rows, seqlen, qk_scale, left, right, slope, s_layout: gl.constexpr,
                     BLOCK_N: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                    ALIBI: gl.constexpr):
+                    ALIBI: gl.constexpr, BIAS: gl.constexpr):
     """Online softmax of one tile of raw q.k. m is in log2 units of the scaled scores, so
     p = exp2(qk * qk_scale - m) is one FMA and one ex2 per element. ALiBi (``slope`` in log2
-    units) adds -slope * |i - j| (ALIBI 1) or, under a causal mask, slope * j (ALIBI 2)."""
+    units) adds -slope * |i - j| (ALIBI 1) or, under a causal mask, slope * j (ALIBI 2); a bias
+    tile (``BIAS``, in log2 units) adds itself."""
     cols = kv0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     # Without ALiBi the scale stays in the exponent's FMA; with it the scores are scaled first.
     scores = qk
@@ -152,6 +163,11 @@ def _softmax_update(qk, m_i, l_i, kv0, rows, seqlen, qk_scale, left, right, slop
         scale = 1.0
     elif ALIBI == 2:  # one term per column
         scores = qk * qk_scale + (slope * cols.to(gl.float32))[None, :]
+        scale = 1.0
+    if BIAS:
+        if ALIBI == 0:
+            scores = qk * qk_scale
+        scores = scores + bias
         scale = 1.0
     if MASKED:
         keep = cols[None, :] < seqlen
@@ -164,9 +180,9 @@ def _softmax_update(qk, m_i, l_i, kv0, rows, seqlen, qk_scale, left, right, slop
     m_new = gl.maximum(m_i, gl.max(scores, 1) * scale)
     # Without a window every row sees key 0 in the first tile: m is finite from then on, and a
     # later fully masked tile gives alpha = 1, p = 0. A window's first tiles can show a row
-    # nothing yet: exponentiate against 0 while its m is -inf.
+    # nothing yet, and a bias of -inf can hide any keys: exponentiate against 0 while m is -inf.
     m_use = m_new
-    if MASKED and WINDOW:
+    if (MASKED and WINDOW) or BIAS:
         m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)
     p = gl.exp2(scores * scale - m_use[:, None])
@@ -175,11 +191,22 @@ def _softmax_update(qk, m_i, l_i, kv0, rows, seqlen, qk_scale, left, right, slop
 
 
 @gluon.jit
-def _consumer_step(j, ring0, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, o_acc, p_op, m_i, l_i,
-                   rows, seqlen, qk_scale, left, right, slope, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                   p_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+def _bias_tile(bias_bufs, WG: gl.constexpr, s, s_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               BIAS: gl.constexpr):
+    """Warpgroup WG's bias rows of ring slot s in log2 units (0 without a bias)."""
+    bias = 0.0
+    if BIAS:
+        tile = bias_bufs.index(WG * STAGES + s).reshape([ROWS_PER_CONSUMER, BLOCK_N])
+        bias = tile.load(s_layout).to(gl.float32) * LOG2E
+    return bias
+
+
+@gluon.jit
+def _consumer_step(WG: gl.constexpr, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
+                   o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left, right, slope, s_layout: gl.constexpr,
+                   o_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                    STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                   ALIBI: gl.constexpr):
+                   ALIBI: gl.constexpr, BIAS: gl.constexpr):
     """Key tile j > first: S_j = Q K_j^T beside O += P_{j-1} V_{j-1}, then the softmax of S_j; key
     tile j is at ring position ring0 + j."""
     it = ring0 + j
@@ -194,9 +221,10 @@ def _consumer_step(j, ring0, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready, 
 
     # wgmma groups retire in order: at most one outstanding means S_j is done, PV may still run.
     qk = warpgroup_mma_wait(1, deps=[qk])
+    bias = _bias_tile(bias_bufs, WG, s, s_layout, BLOCK_N, STAGES, BIAS)  # it shares K's slot
     mbarrier.arrive(k_empty.index(s))
-    p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, j * BLOCK_N, rows, seqlen, qk_scale, left, right, slope,
-                                         s_layout, BLOCK_N, MASKED, CAUSAL, WINDOW, ALIBI)
+    p, m_i, l_i, alpha = _softmax_update(qk, bias, m_i, l_i, j * BLOCK_N, rows, seqlen, qk_scale, left, right,
+                                         slope, s_layout, BLOCK_N, MASKED, CAUSAL, WINDOW, ALIBI, BIAS)
     o_acc, p_op = warpgroup_mma_wait(0, deps=[o_acc, p_op])
     mbarrier.arrive(v_empty.index(sp))
     o_acc = o_acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -205,53 +233,54 @@ def _consumer_step(j, ring0, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready, 
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
-              v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b, lse_stride_h,
+def _consumer(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
+              k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b, lse_stride_h,
               qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-              ALIBI: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr):
+              ALIBI: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr, BIAS: gl.constexpr):
     if PERSISTENT:
         pid = gl.program_id(0)
         grid = gl.num_programs(0)
         pos = 0  # key tiles through the ring so far, as in the producer
         for t in range(pid, tiles, grid):
             pos = _consume_tile(WG, t, pos, (t - pid) // grid, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars,
-                                k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles,
+                                k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles,
                                 stride_os, stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr,
                                 stride_ab, stride_ah, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI,
-                                GROUP, PERSISTENT)
+                                GROUP, PERSISTENT, BIAS)
     else:  # one tile per CTA
         _consume_tile(WG, gl.program_id(0), gl.to_tensor(0), 0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars,
-                      k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os,
+                      k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os,
                       stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT)
+                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)
 
 
 @gluon.jit
 def _consume_tile(WG: gl.constexpr, t, pos, done, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs,
-                  k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh,
+                  bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh,
                   lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr,
-                  PERSISTENT: gl.constexpr):
+                  PERSISTENT: gl.constexpr, BIAS: gl.constexpr):
     """Tile t, the CTA's tile number ``done``, its key tiles from ring position ``pos``; returns
     the position after them."""
     b, h, m0 = _tile(t, seqlen, H, tiles, BLOCK_M, CAUSAL, PERSISTENT)
     bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
     if m0 < seqlen_b:  # group mode: the tiles cover the longest sequence
-        pos = _consumer_tile(WG, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready,
+        pos = _consumer_tile(WG, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                              k_empty, v_ready, v_empty, pos, done, b, h, m0, bd, row_base, seqlen_b, stride_os,
                              stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab,
-                             stride_ah, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP)
+                             stride_ah, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, BIAS)
     return pos
 
 
 @gluon.jit
-def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready,
-                   k_empty, v_ready, v_empty, pos, done, b, h, m0, bd, row_base, seqlen, stride_os, stride_oh,
+def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs,
+                   k_ready, k_empty, v_ready, v_empty, pos, done, b, h, m0, bd, row_base, seqlen, stride_os, stride_oh,
                    lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr):
+                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr,
+                   BIAS: gl.constexpr):
     """Warpgroup WG's 64 query rows of one tile; rows, keys and seqlen are the sequence's. Its first
     key tile is at ring position ``pos``, and ``done`` tiles came before it; returns the position
     after its last key tile."""
@@ -287,11 +316,12 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
     qk = warpgroup_mma(q_tile, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False,
                        is_async=True)
     qk = warpgroup_mma_wait(0, deps=[qk])
+    bias = _bias_tile(bias_bufs, WG, s0, s_layout, BLOCK_N, STAGES, BIAS)
     mbarrier.arrive(k_empty.index(s0))
     m_i = gl.full([ROWS], -float("inf"), gl.float32, row_layout)
     l_i = gl.full([ROWS], 0.0, gl.float32, row_layout)
-    p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, first * BLOCK_N, rows, seqlen, qk_scale, left, right,
-                                         slope, s_layout, BLOCK_N, True, CAUSAL, WINDOW, ALIBI)
+    p, m_i, l_i, alpha = _softmax_update(qk, bias, m_i, l_i, first * BLOCK_N, rows, seqlen, qk_scale, left, right,
+                                         slope, s_layout, BLOCK_N, True, CAUSAL, WINDOW, ALIBI, BIAS)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     o_acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
@@ -300,20 +330,20 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
     hi = gl.minimum(gl.maximum(inner_hi, lo), end)
     if WINDOW:
         for j in range(first + 1, lo):
-            o_acc, p_op, m_i, l_i = _consumer_step(j, ring0, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready,
+            o_acc, p_op, m_i, l_i = _consumer_step(WG, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready,
                                                    v_empty, o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left,
                                                    right, slope, s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM,
-                                                   STAGES, True, CAUSAL, WINDOW, ALIBI)
+                                                   STAGES, True, CAUSAL, WINDOW, ALIBI, BIAS)
     for j in range(lo, hi):
-        o_acc, p_op, m_i, l_i = _consumer_step(j, ring0, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+        o_acc, p_op, m_i, l_i = _consumer_step(WG, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
                                                o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left, right, slope,
                                                s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, False,
-                                               CAUSAL, WINDOW, ALIBI)
+                                               CAUSAL, WINDOW, ALIBI, BIAS)
     for j in range(hi, end):
-        o_acc, p_op, m_i, l_i = _consumer_step(j, ring0, q_tile, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+        o_acc, p_op, m_i, l_i = _consumer_step(WG, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
                                                o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left, right, slope,
                                                s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, True,
-                                               CAUSAL, WINDOW, ALIBI)
+                                               CAUSAL, WINDOW, ALIBI, BIAS)
 
     jl = ring0 + end - 1
     sl = jl % STAGES
@@ -325,7 +355,10 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
     # Epilogue: O / l and the natural-log LSE; O leaves through the Q buffer (its last reader,
     # the wgmma, has retired) and a TMA store that clips rows past the batch's sequence. In group
     # mode the rows past a sequence belong to the next: a ragged tile stores row by row instead.
-    o_acc = o_acc * gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))[:, None]
+    inv_l = 1.0 / l_i
+    if BIAS:  # a row whose bias hides every key: O = 0 (and LSE = -inf)
+        inv_l = gl.where(l_i == 0.0, 0.0, inv_l)
+    o_acc = o_acc * gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))[:, None]
     lse = (m_i + gl.log2(l_i)) * LN2
     lse_rows = lse_ptr + b.to(gl.int64) * lse_stride_b + h.to(gl.int64) * lse_stride_h + row_base
     gl.store(lse_rows + rows, lse, mask=rows < seqlen)
@@ -344,15 +377,18 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
 
 # Lengths, head counts and window sizes are not specialized: one compile serves every shape of a
 # config. WINDOW: a sliding window of ``left`` keys back and ``right`` ahead (unbounded sides come
-# as 2 * seqlen); ALIBI: 0 none, 1 -slope * |i - j|, 2 slope * j (causal), slopes [B?, H] strided.
+# as 2 * seqlen); ALIBI: 0 none, 1 -slope * |i - j|, 2 slope * j (causal), slopes [B?, H] strided;
+# BIAS: an elementwise bias through ``bias_desc`` over ``[B or 1, H or 1, S, S]`` (coordinates b *
+# bias_step_b, h * bias_step_h: 0 for a broadcast dim), else ``bias_desc`` stands in as k_desc.
 @gluon.jit(do_not_specialize=["seqlen", "H", "kv_group", "tiles", "left", "right", "stride_ab", "stride_ah",
-                              "stride_os", "stride_oh", "lse_stride_b", "lse_stride_h"])
-def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, alibi_ptr, seqstart_ptr, seqlen, H,
-                                kv_group, tiles, qk_scale, left, right, stride_ab, stride_ah, stride_os, stride_oh,
-                                lse_stride_b, lse_stride_h, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                                STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr,
-                                PERSISTENT: gl.constexpr):
+                              "stride_os", "stride_oh", "lse_stride_b", "lse_stride_h", "bias_step_b", "bias_step_h"])
+def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, out_ptr, lse_ptr, alibi_ptr, seqstart_ptr,
+                                seqlen, H, kv_group, tiles, qk_scale, left, right, stride_ab, stride_ah, stride_os,
+                                stride_oh, lse_stride_b, lse_stride_h, bias_step_b, bias_step_h, BLOCK_N: gl.constexpr,
+                                HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                                CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                                ALIBI: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr,
+                                BIAS: gl.constexpr):
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3)
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * NUM_CONSUMERS
     dtype: gl.constexpr = q_desc.dtype
@@ -360,6 +396,11 @@ def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr
     q_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    if BIAS:  # slot wg * STAGES + s: consumer wg's rows for K's slot s
+        bias_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS * STAGES] + bias_desc.block_type.shape,
+                                              bias_desc.layout)
+    else:
+        bias_bufs = k_bufs  # never read
     q_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -379,31 +420,33 @@ def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr
     # tensors, which then cannot build layouts.
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
-                          v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
+            (_consumer, (0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
+                          k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
                           lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT)),
-            (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
-                          v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
+                          HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
+            (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
+                          k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
                           lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT)),
-            (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H,
-                         kv_group, tiles, left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT)),
+                          HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
+            (_producer, (k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
+                         seqstart_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right, BLOCK_M,
+                         BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT, BIAS)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
-                          v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
+            (_consumer, (0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
+                          k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
                           lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT)),
-            (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
-                          v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
+                          HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
+            (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
+                          k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
                           lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT)),
-            (_consumer, (2, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, k_ready, k_empty,
-                          v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
+                          HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
+            (_consumer, (2, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
+                          k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
                           lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT)),
-            (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H,
-                         kv_group, tiles, left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT)),
+                          HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
+            (_producer, (k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
+                         seqstart_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right, BLOCK_M,
+                         BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT, BIAS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])

@@ -26,6 +26,7 @@ LOG2E = 1.4426950408889634
 # The Gluon dialect changes between Triton releases; these kernels are written against 3.6.
 GLUON_TRITON = "3.6."
 CONVERT_BLOCK = 4096
+SCHEDULE_CHUNK = 1024  # sequences (and table entries) per step of the group-mode tile table
 
 
 def device_unsupported(device: torch.device) -> str | None:
@@ -183,10 +184,11 @@ def fwd_persistent(inputs: AttentionInputs) -> bool:
     return not inputs.group and plain and inputs.alibi_slopes is None and inputs.max_seqlen_q <= limit
 
 
-def fwd_launch(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
-    """(kernel, grid, kwargs) of the forward; ``out`` ``[B, S, H, D]`` (group mode ``[T, H, D]``) and
-    ``lse`` ``[B, H, S]`` (``[H, T]``) contiguous."""
-    from .kernels.hopper_fwd import ROWS_PER_CONSUMER, attention_fwd_hopper_kernel
+def fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
+    """The forward's (kernel, grid, kwargs), in order: in group mode the tile table's, then the
+    forward's; ``out`` ``[B, S, H, D]`` (group mode ``[T, H, D]``) and ``lse`` ``[B, H, S]``
+    (``[H, T]``) contiguous."""
+    from .kernels.hopper_fwd import ROWS_PER_CONSUMER, attention_fwd_hopper_kernel, hopper_fwd_varlen_schedule
 
     q, k, v = inputs.q, inputs.k, inputs.v
     if inputs.group:  # [1, T, H, D] views: sequence b is a row range of the one "batch"
@@ -195,14 +197,27 @@ def fwd_launch(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
     lse_strides = (0, lse.stride(0)) if inputs.group else (lse.stride(0), lse.stride(1))
     cfg = HOPPER_FWD_CONFIGS[head_dim]
     rows = ROWS_PER_CONSUMER.value
-    tiles = triton.cdiv(seqlen, rows * cfg.consumers) * batch * nhead
+    block_m = rows * cfg.consumers
+    launches = []
+    if inputs.group:
+        # One CTA per tile of the table: each sequence has at most one ragged tile, so total rows //
+        # block_m + batch tiles per head bound them (the longest sequence's tiles for every
+        # sequence would leave most CTAs empty).
+        tiles = (q.shape[1] // block_m + batch) * nhead
+        table = torch.empty(tiles, dtype=torch.int64, device=q.device)
+        launches.append((hopper_fwd_varlen_schedule, (batch,), dict(
+            Seqstart=inputs.seqstart_q, Table=table, B=batch, H=nhead, table_len=tiles, BLOCK_M=block_m,
+            CHUNK=SCHEDULE_CHUNK, num_warps=4)))
+    else:
+        tiles = triton.cdiv(seqlen, block_m) * batch * nhead
+        table = lse  # never read
     features = _window_and_alibi_args(inputs, lse)
     persistent = fwd_persistent(inputs)
     grid = (min(tiles, _sm_count(q.device, tiles)) if persistent else tiles,)  # 1-D: grid y stops at 65535
     kwargs = dict(
         q_desc=_desc(q, rows, head_dim), k_desc=_desc(k, cfg.block_n, head_dim),
         v_desc=_desc(v, cfg.block_n, head_dim), o_desc=_desc(out, rows, head_dim), out_ptr=out, lse_ptr=lse,
-        seqstart_ptr=inputs.seqstart_q if inputs.group else lse, seqlen=seqlen, H=nhead,
+        seqstart_ptr=inputs.seqstart_q if inputs.group else lse, table_ptr=table, seqlen=seqlen, H=nhead,
         kv_group=inputs.nhead_q // inputs.nhead_k, tiles=tiles, qk_scale=inputs.scale * LOG2E,
         stride_os=out.stride(1), stride_oh=out.stride(2), lse_stride_b=lse_strides[0], lse_stride_h=lse_strides[1],
         BLOCK_N=cfg.block_n,
@@ -210,7 +225,7 @@ def fwd_launch(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
         CAUSAL=inputs.mask.is_causal, GROUP=inputs.group, PERSISTENT=persistent, num_warps=4,
         maxnreg=cfg.maxnreg, **features,
     )
-    return attention_fwd_hopper_kernel, grid, kwargs
+    return launches + [(attention_fwd_hopper_kernel, grid, kwargs)]
 
 
 def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -230,7 +245,7 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
 
     q, k, v = inputs.q, inputs.k, inputs.v
     lse = lse.contiguous()
-    if inputs.group:  # [1, T, H, D] views: sequence b is a row range of the one "batch" (see fwd_launch)
+    if inputs.group:  # [1, T, H, D] views: sequence b is a row range of the one "batch" (see fwd_launches)
         q, k, v, dout, out, dq, dk, dv = (t.unsqueeze(0) for t in (q, k, v, dout, out, dq, dk, dv))
         lse = lse.unsqueeze(0)
     nhead, head_dim = q.shape[2], q.shape[3]

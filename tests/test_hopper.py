@@ -178,7 +178,8 @@ def test_group_mode_forward_runs_one_cta_per_tile():
     assert not hopper.fwd_persistent(check_inputs(packed, packed, packed, seqstart_q=starts, seqstart_k=starts))
 
 
-@pytest.mark.parametrize("lengths", [[1000, 400], [1, 300, 129, 1000, 64, 1000], [5] * 7, [0, 700, 0, 1300]])
+@pytest.mark.parametrize("lengths", [[1000, 400], [1, 300, 129, 1000, 64, 1000], [5] * 7, [0, 700, 0, 1300],
+                                     [0, 3, 130, 3] * 300])
 def test_group_mode_tile_table_lists_every_tile_once_longest_sequence_first(lengths):
     """The table the group-mode forward's CTAs read (runs on the CPU through Triton's interpreter)."""
     from fmha.kernels import INTERPRET

@@ -96,6 +96,9 @@ def fwd_unsupported(inputs: AttentionInputs) -> str | None:
         cfg = HOPPER_FWD_CONFIGS[inputs.head_dim_q]
         if inputs.alibi_slopes is not None and inputs.mask.is_causal and not cfg.causal_alibi:
             return f"ALiBi under a causal mask at head dim {inputs.head_dim_q}"
+        if inputs.group and (inputs.batch >= 1 << 23 or inputs.nhead_q >= 1 << 20
+                             or inputs.max_seqlen_q >= (1 << 20) * 64):
+            return "group mode beyond the tile table's fields (2^23 sequences, 2^20 heads or query tiles)"
         reason = _slower_reason(inputs, cfg.min_seqlen, cfg.min_seqlen_causal)
     return reason
 
@@ -201,9 +204,9 @@ def fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
     launches = []
     if inputs.group:
         # One CTA per tile of the table: each sequence has at most one ragged tile, so total rows //
-        # block_m + batch tiles per head bound them (the longest sequence's tiles for every
-        # sequence would leave most CTAs empty).
-        tiles = (q.shape[1] // block_m + batch) * nhead
+        # block_m + batch tiles per head bound them, as do the longest sequence's tiles for every
+        # sequence (the old grid, mostly empty when lengths vary).
+        tiles = min(q.shape[1] // block_m + batch, triton.cdiv(seqlen, block_m) * batch) * nhead
         table = torch.empty(tiles, dtype=torch.int64, device=q.device)
         launches.append((hopper_fwd_varlen_schedule, (batch,), dict(
             Seqstart=inputs.seqstart_q, Table=table, B=batch, H=nhead, table_len=tiles, BLOCK_M=block_m,

@@ -92,7 +92,8 @@ def hopper_fwd_varlen_schedule(Seqstart, Table, B, H, table_len, BLOCK_M: tl.con
         h = j // n_m
         m = n_m - 1 - j % n_m
         entry = (b.to(tl.int64) << TABLE_B_SHIFT) | (h.to(tl.int64) << TABLE_H_SHIFT) | m.to(tl.int64)
-        tl.store(Table + H * before + j, entry, mask=j < H * n_m)
+        slot = H * before + j
+        tl.store(Table + slot, entry, mask=(j < H * n_m) & (slot < table_len))  # a bad seqstart stays inside
     if b == 0:
         for c in range(H * total, table_len, CHUNK):
             j = c + tl.arange(0, CHUNK)

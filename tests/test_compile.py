@@ -153,4 +153,4 @@ def test_hopper_fast_path_compiles_for_sm90_without_spills():
     # with ALiBi (and a window where not causal) but for causal ALiBi at d=64, the same for the
     # backward's main kernel at d=64/128, group mode (forward; backward at d=64/128), and the
     # backward's main kernel under GQA
-    assert "114/114 kernel configs compile for sm_90 within shared memory and without spills" in proc.stdout, proc.stdout
+    assert "126/126 kernel configs compile for sm_90 within shared memory and without spills" in proc.stdout, proc.stdout

@@ -145,7 +145,7 @@ def test_forward_and_backward_pass_the_same_window_and_alibi_arguments():
     q = torch.empty(2, 300, 4, 64, dtype=torch.bfloat16)
     inputs = check_inputs(q, q, q, mask="t:-1,16", alibi_slopes=torch.ones(4))
     out, lse = torch.empty_like(q), torch.empty(inputs.lse_shape)
-    _, _, fwd = hopper.fwd_launch(inputs, out, lse)
+    _, _, fwd = hopper.fwd_launches(inputs, out, lse)[-1]
     grads = [torch.empty_like(q) for _ in range(3)]
     _, (_, _, bwd), _ = hopper.bwd_launches(inputs, torch.empty_like(q), out, lse, *grads)
     expected = dict(left=600, right=16, stride_ab=0, stride_ah=1, WINDOW=True, ALIBI=1)
@@ -209,7 +209,7 @@ def test_bias_descriptor_reads_broadcast_dims_at_coordinate_zero():
     bias = torch.empty(4, 1000, 1000, dtype=torch.bfloat16)  # [H, S, S], broadcast over the batch
     q = torch.empty(2, 1000, 4, 128, dtype=torch.bfloat16)
     inputs = check_inputs(q, q, q, bias=bias)
-    _, _, kwargs = hopper.fwd_launch(inputs, torch.empty_like(q), torch.empty(inputs.lse_shape))
+    _, _, kwargs = hopper.fwd_launches(inputs, torch.empty_like(q), torch.empty(inputs.lse_shape))[-1]
     assert kwargs["BIAS"] and (kwargs["bias_step_b"], kwargs["bias_step_h"]) == (0, 1)
     assert kwargs["bias_desc"].shape == [1, 4, 1000, 1000]
     assert kwargs["bias_desc"].block_shape == [1, 1, 64, 128]
@@ -222,3 +222,26 @@ def test_group_mode_forward_with_a_bias_is_left_to_the_portable_kernel():
                           bias=torch.empty(4, 100, 60, dtype=torch.bfloat16))
     assert hopper._problem_reason(inputs, hopper.HOPPER_FWD_CONFIGS, True, True, True) == \
         "elementwise bias in group mode"
+
+
+@pytest.mark.parametrize("lengths", [[1000, 400], [1, 300, 129, 1000, 64, 1000], [5] * 7, [0, 700, 0, 1300],
+                                     [0, 3, 130, 3] * 300])
+def test_group_mode_tile_table_lists_every_tile_once_longest_sequence_first(lengths):
+    """The table the group-mode forward's CTAs read (runs on the CPU through Triton's interpreter)."""
+    from fmha.kernels import INTERPRET
+    if not INTERPRET:
+        pytest.skip("the tile table kernel runs here through TRITON_INTERPRET=1")
+    nhead = 3
+    packed = torch.empty(sum(lengths), nhead, 128, dtype=torch.bfloat16)
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    inputs = check_inputs(packed, packed, packed, seqstart_q=starts, seqstart_k=starts)
+    (table_kernel, grid, kwargs), (_, fwd_grid, fwd) = hopper.fwd_launches(
+        inputs, torch.empty_like(packed), torch.empty(inputs.lse_shape))
+    table_kernel[grid](**kwargs)
+    table = kwargs["Table"].tolist()
+    assert fwd_grid == (len(table),) and fwd["tiles"] == len(table)
+    block_m = 128
+    order = sorted(range(len(lengths)), key=lambda b: (-lengths[b], b))
+    expected = [(b << 40) | (h << 20) | m for b in order for h in range(nhead)
+                for m in reversed(range(-(-lengths[b] // block_m)))]
+    assert table == expected + [-1] * (len(table) - len(expected))

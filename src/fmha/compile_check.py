@@ -171,26 +171,27 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
     with_alibi = check_inputs(q, k, v, mask="t" if causal else "b:100,0", alibi_slopes=torch.ones(4))
     alibi = "alibi" if causal else "window alibi"
     out, lse = torch.empty_like(q), torch.empty(inputs.lse_shape, dtype=torch.float32)
-    kernel, grid, kwargs = hopper.fwd_launch(inputs, out, lse)
+    kernel, grid, kwargs = hopper.fwd_launches(inputs, out, lse)[-1]
     results = [_compile(f"{prefix} fwd{' persistent' if kwargs['PERSISTENT'] else ''}", kernel, grid, kwargs)]
     if kwargs["PERSISTENT"]:  # longer sequences run one CTA per tile
         q_long = torch.empty(1, 4096, 4, head_dim, dtype=dtype)
         long_inputs = check_inputs(q_long, q_long, q_long, mask="t" if causal else None)
-        kernel, grid, kwargs = hopper.fwd_launch(long_inputs, torch.empty_like(q_long),
-                                                 torch.empty(long_inputs.lse_shape, dtype=torch.float32))
+        kernel, grid, kwargs = hopper.fwd_launches(long_inputs, torch.empty_like(q_long),
+                                                   torch.empty(long_inputs.lse_shape, dtype=torch.float32))[-1]
         results.append(_compile(f"{prefix} fwd", kernel, grid, kwargs))
     if HOPPER_FWD_CONFIGS[head_dim].causal_alibi or not causal:
-        kernel, grid, kwargs = hopper.fwd_launch(with_alibi, out, lse)
+        kernel, grid, kwargs = hopper.fwd_launches(with_alibi, out, lse)[-1]
         results.append(_compile(f"{prefix} fwd {alibi}", kernel, grid, kwargs))
     if HOPPER_FWD_CONFIGS[head_dim].bias:  # a [H, S, S] bias, broadcast over the batch
         biased = check_inputs(q, k, v, mask="t" if causal else None, bias=torch.empty(4, 1000, 1000, dtype=dtype))
-        kernel, grid, kwargs = hopper.fwd_launch(biased, out, lse)
+        kernel, grid, kwargs = hopper.fwd_launches(biased, out, lse)[-1]
         results.append(_compile(f"{prefix} fwd bias", kernel, grid, kwargs))
     packed = torch.empty(1000, 4, head_dim, dtype=dtype)  # group mode: two sequences, one seqstart
     starts = torch.tensor([0, 400, 1000], dtype=torch.int32)
     grouped = check_inputs(packed, packed, packed, seqstart_q=starts, seqstart_k=starts, mask="t" if causal else None)
-    kernel, grid, kwargs = hopper.fwd_launch(grouped, torch.empty_like(packed),
-                                             torch.empty(grouped.lse_shape, dtype=torch.float32))
+    (table, table_grid, table_kwargs), (kernel, grid, kwargs) = hopper.fwd_launches(
+        grouped, torch.empty_like(packed), torch.empty(grouped.lse_shape, dtype=torch.float32))
+    results.append(_compile(f"{prefix} fwd group {table.__name__}", table, table_grid, table_kwargs))
     results.append(_compile(f"{prefix} fwd group", kernel, grid, kwargs))
     if head_dim != 256:  # the group-mode backward (main kernel; the other two are the same)
         grads = [torch.empty_like(packed) for _ in range(3)]

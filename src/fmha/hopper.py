@@ -26,6 +26,7 @@ LOG2E = 1.4426950408889634
 # The Gluon dialect changes between Triton releases; these kernels are written against 3.6.
 GLUON_TRITON = "3.6."
 CONVERT_BLOCK = 4096
+SCHEDULE_CHUNK = 1024  # sequences (and table entries) per step of the group-mode tile table
 
 
 def device_unsupported(device: torch.device) -> str | None:
@@ -117,6 +118,9 @@ def fwd_unsupported(inputs: AttentionInputs) -> str | None:
             return f"ALiBi under a causal mask at head dim {inputs.head_dim_q}"
         if inputs.bias is not None and not cfg.bias:
             return f"elementwise bias at head dim {inputs.head_dim_q}"
+        if inputs.group and (inputs.batch >= 1 << 23 or inputs.nhead_q >= 1 << 20
+                             or inputs.max_seqlen_q >= (1 << 20) * 64):
+            return "group mode beyond the tile table's fields (2^23 sequences, 2^20 heads or query tiles)"
         reason = _slower_reason(inputs, cfg.min_seqlen, cfg.min_seqlen_causal)
     return reason
 
@@ -218,10 +222,11 @@ def fwd_persistent(inputs: AttentionInputs) -> bool:
     return not inputs.group and plain and not features and inputs.max_seqlen_q <= limit
 
 
-def fwd_launch(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
-    """(kernel, grid, kwargs) of the forward; ``out`` ``[B, S, H, D]`` (group mode ``[T, H, D]``) and
-    ``lse`` ``[B, H, S]`` (``[H, T]``) contiguous."""
-    from .kernels.hopper_fwd import ROWS_PER_CONSUMER, attention_fwd_hopper_kernel
+def fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
+    """The forward's (kernel, grid, kwargs), in order: in group mode the tile table's, then the
+    forward's; ``out`` ``[B, S, H, D]`` (group mode ``[T, H, D]``) and ``lse`` ``[B, H, S]``
+    (``[H, T]``) contiguous."""
+    from .kernels.hopper_fwd import ROWS_PER_CONSUMER, attention_fwd_hopper_kernel, hopper_fwd_varlen_schedule
 
     q, k, v = inputs.q, inputs.k, inputs.v
     if inputs.group:  # [1, T, H, D] views: sequence b is a row range of the one "batch"
@@ -230,7 +235,20 @@ def fwd_launch(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
     lse_strides = (0, lse.stride(0)) if inputs.group else (lse.stride(0), lse.stride(1))
     cfg = HOPPER_FWD_CONFIGS[head_dim]
     rows = ROWS_PER_CONSUMER.value
-    tiles = triton.cdiv(seqlen, rows * cfg.consumers) * batch * nhead
+    block_m = rows * cfg.consumers
+    launches = []
+    if inputs.group:
+        # One CTA per tile of the table: each sequence has at most one ragged tile, so total rows //
+        # block_m + batch tiles per head bound them, as do the longest sequence's tiles for every
+        # sequence (the old grid, mostly empty when lengths vary).
+        tiles = min(q.shape[1] // block_m + batch, triton.cdiv(seqlen, block_m) * batch) * nhead
+        table = torch.empty(tiles, dtype=torch.int64, device=q.device)
+        launches.append((hopper_fwd_varlen_schedule, (batch,), dict(
+            Seqstart=inputs.seqstart_q, Table=table, B=batch, H=nhead, table_len=tiles, BLOCK_M=block_m,
+            CHUNK=SCHEDULE_CHUNK, num_warps=4)))
+    else:
+        tiles = triton.cdiv(seqlen, block_m) * batch * nhead
+        table = lse  # never read
     features = _window_and_alibi_args(inputs, lse)
     persistent = fwd_persistent(inputs)
     if persistent and q.device.type == "cuda":  # (compiling for sm_90a on a CPU: one tile per CTA)
@@ -242,15 +260,16 @@ def fwd_launch(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
     kwargs = dict(
         q_desc=_desc(q, rows, head_dim), k_desc=k_desc, bias_desc=k_desc,
         v_desc=_desc(v, cfg.block_n, head_dim), o_desc=_desc(out, rows, head_dim), out_ptr=out, lse_ptr=lse,
-        seqstart_ptr=inputs.seqstart_q if inputs.group else lse, seqlen=seqlen, H=nhead,
+        seqstart_ptr=inputs.seqstart_q if inputs.group else lse, table_ptr=table, seqlen=seqlen, H=nhead,
         kv_group=inputs.nhead_q // inputs.nhead_k, tiles=tiles, qk_scale=inputs.scale * LOG2E,
         stride_os=out.stride(1), stride_oh=out.stride(2), lse_stride_b=lse_strides[0], lse_stride_h=lse_strides[1],
-        BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, STAGES=cfg.stages, NUM_CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs,
+        BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, STAGES=cfg.stages, NUM_CONSUMERS=cfg.consumers,
+        CONSUMER_REGS=cfg.consumer_regs,
         CAUSAL=inputs.mask.is_causal, GROUP=inputs.group, PERSISTENT=persistent, num_warps=4,
         maxnreg=cfg.maxnreg, **features,
     )
     kwargs.update(_bias_args(inputs, rows, cfg.block_n))
-    return attention_fwd_hopper_kernel, grid, kwargs
+    return launches + [(attention_fwd_hopper_kernel, grid, kwargs)]
 
 
 def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -270,7 +289,7 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
 
     q, k, v = inputs.q, inputs.k, inputs.v
     lse = lse.contiguous()
-    if inputs.group:  # [1, T, H, D] views: sequence b is a row range of the one "batch" (see fwd_launch)
+    if inputs.group:  # [1, T, H, D] views: sequence b is a row range of the one "batch" (see fwd_launches)
         q, k, v, dout, out, dq, dk, dv = (t.unsqueeze(0) for t in (q, k, v, dout, out, dq, dk, dv))
         lse = lse.unsqueeze(0)
     nhead, head_dim = q.shape[2], q.shape[3]

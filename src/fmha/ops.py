@@ -124,8 +124,8 @@ def fwd(
         randval = torch.zeros(inputs.randval_shape, dtype=torch.uint8, device=device)
     # (a caller's ``out`` with misaligned strides takes the portable kernel, which writes any layout)
     if is_kernel_layout(out) and hopper.fwd_unsupported(inputs) is None:
-        kernel, grid, kwargs = hopper.fwd_launch(inputs, out, lse)
-        kernel[grid](**kwargs)
+        for kernel, grid, kwargs in hopper.fwd_launches(inputs, out, lse):
+            kernel[grid](**kwargs)
         return out, lse if return_lse else None, randval
     grid, kwargs = fwd_kernel_args(inputs, out, lse, randval, philox)
     if grid[0] > 0:

@@ -18,6 +18,8 @@ A sliding window (``WINDOW``) runs only the key tiles of the CTA's band, masked 
 ALiBi (``ALIBI``) adds its term to the scaled scores.
 """
 
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -58,8 +60,49 @@ def _key_tiles(m0, seqlen, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.const
     return first, inner_lo, inner_hi, end
 
 
+# Group mode's tile table: one int64 entry per CTA, ``b << 40 | h << 20 | m`` (query tile m of head
+# h of sequence b), -1 past the last tile.
+TABLE_B_SHIFT = tl.constexpr(40)
+TABLE_H_SHIFT = tl.constexpr(20)
+TABLE_FIELD = tl.constexpr((1 << 20) - 1)
+
+
+@triton.jit
+def hopper_fwd_varlen_schedule(Seqstart, Table, B, H, table_len, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """Program b writes the table entries of sequence b. Sequences run longest first (ties by
+    index), each as H runs of its query tiles, last first; so the grid holds no CTA without a
+    tile (one per tile of the longest sequence would leave most empty), and the hardware's
+    dispatch fills the tail with the short sequences. Program 0 also marks the entries past the
+    last tile. O(B) per program: B programs read all lengths once."""
+    b = tl.program_id(0)
+    length = tl.load(Seqstart + b + 1) - tl.load(Seqstart + b)
+    n_m = tl.cdiv(length, BLOCK_M)
+    before = 0  # tiles of the sequences that run ahead of this one
+    total = 0
+    for c in range(0, B, CHUNK):
+        i = c + tl.arange(0, CHUNK)
+        inside = i < B
+        lens = tl.load(Seqstart + i + 1, mask=inside, other=0) - tl.load(Seqstart + i, mask=inside, other=0)
+        tiles = tl.where(inside, tl.cdiv(lens, BLOCK_M), 0)
+        ahead = (lens > length) | ((lens == length) & (i < b))
+        before += tl.sum(tl.where(ahead, tiles, 0))
+        total += tl.sum(tiles)
+    for c in range(0, H * n_m, CHUNK):
+        j = c + tl.arange(0, CHUNK)
+        h = j // n_m
+        m = n_m - 1 - j % n_m
+        entry = (b.to(tl.int64) << TABLE_B_SHIFT) | (h.to(tl.int64) << TABLE_H_SHIFT) | m.to(tl.int64)
+        slot = H * before + j
+        tl.store(Table + slot, entry, mask=(j < H * n_m) & (slot < table_len))  # a bad seqstart stays inside
+    if b == 0:
+        for c in range(H * total, table_len, CHUNK):
+            j = c + tl.arange(0, CHUNK)
+            tl.store(Table + j, tl.full([CHUNK], -1, tl.int64), mask=j < table_len)
+
+
 @gluon.jit
-def _tile(t, seqlen, H, tiles, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+def _tile(t, seqlen, H, tiles, table_ptr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
+          GROUP: gl.constexpr):
     """(batch, head, first query row) of query tile t (the grid is 1-D: grid y stops at 65535).
 
     One tile per CTA: a head's tiles are adjacent, so its K/V stay in L2, and last-first, so that
@@ -69,6 +112,13 @@ def _tile(t, seqlen, H, tiles, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, PERS
     they go query-tile major, longest first across all (batch, head) pairs: head-major, CTA
     c's tiles would be a run of adjacent lengths, the first CTAs' all long (0.64 of the work
     balanced at 16k)."""
+    if GROUP:  # from the table; an entry past the last tile gives m0 = seqlen, which no sequence passes
+        entry = gl.load(table_ptr + t)
+        valid = entry >= 0
+        b = gl.where(valid, entry >> TABLE_B_SHIFT, 0).to(gl.int32)
+        h = ((entry >> TABLE_H_SHIFT) & TABLE_FIELD).to(gl.int32)
+        m0 = gl.where(valid, (entry & TABLE_FIELD).to(gl.int32) * BLOCK_M, seqlen)
+        return b, h, m0
     n_m = gl.cdiv(seqlen, BLOCK_M)
     if PERSISTENT and CAUSAL:
         n_bh = tiles // n_m
@@ -93,7 +143,7 @@ def packed_sequence(b, seqlen, seqstart_ptr, GROUP: gl.constexpr):
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr,
+def _producer(k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, table_ptr,
               seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
               GROUP: gl.constexpr, PERSISTENT: gl.constexpr, BIAS: gl.constexpr):
@@ -101,23 +151,23 @@ def _producer(k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_e
         pos = 0  # key tiles through the ring so far: slots and phases run on across the CTA's tiles
         for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
             pos = _produce_tile(t, pos, k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty,
-                                v_ready, v_empty, seqstart_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h,
+                                v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h,
                                 left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT, BIAS)
     else:  # one tile per CTA (the ring position a tensor: the tile's branch returns one)
         _produce_tile(gl.program_id(0), gl.to_tensor(0), k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs,
-                      k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, kv_group, tiles, bias_step_b,
+                      k_ready, k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles, bias_step_b,
                       bias_step_h, left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT, BIAS)
 
 
 @gluon.jit
 def _produce_tile(t, pos, k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
-                  seqstart_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right,
+                  seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                   WINDOW: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr, BIAS: gl.constexpr):
     """K/V of tile t into the rings from ring position ``pos``; returns the position after them. A
     bias comes with K, one 64-row box per consumer warpgroup on K's barrier: the consumers read
     it before they release the K slot."""
-    b, h, m0 = _tile(t, seqlen, H, tiles, BLOCK_M, CAUSAL, PERSISTENT)
+    b, h, m0 = _tile(t, seqlen, H, tiles, table_ptr, BLOCK_M, CAUSAL, PERSISTENT, GROUP)
     bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
     if m0 < seqlen_b:  # group mode: the tiles cover the longest sequence
         first, _, _, end = _key_tiles(m0, seqlen_b, left, right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
@@ -234,7 +284,7 @@ def _consumer_step(WG: gl.constexpr, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
-              k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b, lse_stride_h,
+              k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b, lse_stride_h,
               qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
               ALIBI: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr, BIAS: gl.constexpr):
@@ -244,27 +294,27 @@ def _consumer(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars
         pos = 0  # key tiles through the ring so far, as in the producer
         for t in range(pid, tiles, grid):
             pos = _consume_tile(WG, t, pos, (t - pid) // grid, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars,
-                                k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles,
+                                k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles,
                                 stride_os, stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr,
                                 stride_ab, stride_ah, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI,
                                 GROUP, PERSISTENT, BIAS)
     else:  # one tile per CTA
         _consume_tile(WG, gl.program_id(0), gl.to_tensor(0), 0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars,
-                      k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os,
+                      k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os,
                       stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
                       BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)
 
 
 @gluon.jit
 def _consume_tile(WG: gl.constexpr, t, pos, done, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs,
-                  bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh,
+                  bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
                   lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr,
                   PERSISTENT: gl.constexpr, BIAS: gl.constexpr):
     """Tile t, the CTA's tile number ``done``, its key tiles from ring position ``pos``; returns
     the position after them."""
-    b, h, m0 = _tile(t, seqlen, H, tiles, BLOCK_M, CAUSAL, PERSISTENT)
+    b, h, m0 = _tile(t, seqlen, H, tiles, table_ptr, BLOCK_M, CAUSAL, PERSISTENT, GROUP)
     bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
     if m0 < seqlen_b:  # group mode: the tiles cover the longest sequence
         pos = _consumer_tile(WG, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
@@ -382,7 +432,7 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
 # bias_step_b, h * bias_step_h: 0 for a broadcast dim), else ``bias_desc`` stands in as k_desc.
 @gluon.jit(do_not_specialize=["seqlen", "H", "kv_group", "tiles", "left", "right", "stride_ab", "stride_ah",
                               "stride_os", "stride_oh", "lse_stride_b", "lse_stride_h", "bias_step_b", "bias_step_h"])
-def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, out_ptr, lse_ptr, alibi_ptr, seqstart_ptr,
+def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, out_ptr, lse_ptr, alibi_ptr, seqstart_ptr, table_ptr,
                                 seqlen, H, kv_group, tiles, qk_scale, left, right, stride_ab, stride_ah, stride_os,
                                 stride_oh, lse_stride_b, lse_stride_h, bias_step_b, bias_step_h, BLOCK_N: gl.constexpr,
                                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
@@ -421,32 +471,32 @@ def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, out_p
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
-                          k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
+                          k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
                           lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N,
                           HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
             (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
-                          k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
+                          k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
                           lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N,
                           HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
             (_producer, (k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
-                         seqstart_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right, BLOCK_M,
+                         seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right, BLOCK_M,
                          BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT, BIAS)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
-                          k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
+                          k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
                           lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N,
                           HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
             (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
-                          k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
+                          k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
                           lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N,
                           HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
             (_consumer, (2, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
-                          k_empty, v_ready, v_empty, seqstart_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
+                          k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
                           lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N,
                           HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
             (_producer, (k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
-                         seqstart_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right, BLOCK_M,
+                         seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right, BLOCK_M,
                          BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT, BIAS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])

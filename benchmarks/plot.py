@@ -3,7 +3,8 @@
     python benchmarks/plot.py benchmarks/results/h200-fwd-bf16.jsonl benchmarks/results/h200-bwd-bf16.jsonl \
         -o docs/perf-h200.png
 
-When a cell was measured more than once, the latest record wins. Needs matplotlib
+When a cell was measured more than once, the latest record wins; ``--commit`` keeps only the
+records of the given commits (one run of the grid, not a mix of sessions). Needs matplotlib
 (``pip install -e ".[bench]"``).
 """
 
@@ -28,13 +29,15 @@ STYLE = {
 }
 
 
-def latest_cells(paths: list[str]) -> dict[tuple, dict[str, float]]:
+def latest_cells(paths: list[str], commits: list[str] | None = None) -> dict[tuple, dict[str, float]]:
     """``{(direction, head_dim, seqlen, causal): {provider: tflops}}`` of the plain cases, later
-    records replacing earlier."""
+    records replacing earlier; only those of ``commits`` when given."""
     records = []
     for path in paths:
         with open(path) as f:
             records += [json.loads(line) for line in f if line.strip()]
+    if commits:
+        records = [r for r in records if r.get("commit") in commits]
     records.sort(key=lambda r: r["time"])
     cells: dict[tuple, dict[str, float]] = {}
     for r in records:
@@ -77,8 +80,12 @@ def main() -> None:
     parser.add_argument("jsonl", nargs="+")
     parser.add_argument("-o", "--out", default="docs/perf-h200.png")
     parser.add_argument("--title", default="bf16, 16k tokens per batch, h = 2048/d, NVIDIA H200")
+    parser.add_argument("--commit", nargs="+", help="only the records of these commits")
     args = parser.parse_args()
-    plot(latest_cells(args.jsonl), args.out, args.title)
+    cells = latest_cells(args.jsonl, args.commit)
+    if not cells:
+        parser.error("no plain-case records" + (f" of commit {', '.join(args.commit)}" if args.commit else ""))
+    plot(cells, args.out, args.title)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ def features() -> list[tuple[str, bool, str]]:
         ("deterministic backward", True, "bitwise repeatable, no workspace"),
         ("Hopper fast path (Gluon, warp-specialized)", hopper_off is None,
          hopper_off or ("forward and atomic backward d 64/128/256: fp16/bf16, seqlen_q == seqlen_k, "
-                        "GQA/MQA, no bias or dropout; windows and ALiBi too (the backward not at d 256), "
+                        "GQA/MQA, no dropout; windows and ALiBi too (the backward not at d 256), an elementwise "
+                        "bias in the forward at d 128/256, "
                         "and varlen with one seqstart (the backward not at d 256); persistent forward CTAs "
                         "for short sequences; the portable kernels take the rest")),
         ("TMA bulk dQ reduction (atomic backward)", gpu and cap >= (9, 0),

@@ -91,14 +91,18 @@ def _differentiable(q, k, v, *, deterministic, return_lse, return_randval, **kwa
     philox = None
     if inputs.dropout_p > 0:
         philox = ops.philox_seed_offset(inputs.seed, inputs.offset, q.device)
-    mask = inputs.mask
-    forward = torch.ops.fmha.fwd if autograd.use_custom_ops(q) else autograd.EagerAttention.apply
-    out, lse, randval = forward(
-        inputs.q, inputs.k, inputs.v, kwargs.get("bias"), kwargs.get("alibi_slopes"), philox,
-        inputs.cu_seqlen_q, inputs.cu_seqlen_k, inputs.seqstart_q, inputs.seqstart_k, inputs.seqlen_k,
-        inputs.seqstart_padded_q, inputs.seqstart_padded_k, inputs.scale, int(mask.type), mask.left,
-        mask.right, inputs.dropout_p, inputs.max_seqlen_q, inputs.max_seqlen_k, inputs.lse_rows,
-        bool(return_randval), bool(deterministic))
+    if autograd.use_custom_ops(q):
+        mask = inputs.mask
+        out, lse, randval = torch.ops.fmha.fwd(
+            inputs.q, inputs.k, inputs.v, kwargs.get("bias"), kwargs.get("alibi_slopes"), philox,
+            inputs.cu_seqlen_q, inputs.cu_seqlen_k, inputs.seqstart_q, inputs.seqstart_k, inputs.seqlen_k,
+            inputs.seqstart_padded_q, inputs.seqstart_padded_k, inputs.scale, int(mask.type), mask.left,
+            mask.right, inputs.dropout_p, inputs.max_seqlen_q, inputs.max_seqlen_k, inputs.lse_rows,
+            bool(return_randval), bool(deterministic))
+    else:
+        out, lse, randval = autograd.EagerAttention.apply(
+            inputs, inputs.q, inputs.k, inputs.v, kwargs.get("bias"), philox, bool(return_randval),
+            bool(deterministic))
     if return_lse or return_randval:
         randval = randval if return_randval and inputs.dropout_p > 0 else None
         return AttentionOutput(out, lse.detach() if return_lse else None, randval)

@@ -213,7 +213,8 @@ def check_inputs(
     seed = _check_seed("seed", seed, device)
     offset = _check_seed("offset", offset, device)
     mask = parse_mask(mask)
-    read_indices = not _trace_safe()
+    # (only index tensors need it: a batch-mode call without cu_seqlens skips the query)
+    read_indices = (group or cu_seqlen_q is not None or cu_seqlen_k is not None) and not _trace_safe()
 
     inputs = dict(q=q, k=k, v=v, group=group, nhead_q=nhead_q, nhead_k=nhead_k,
                   head_dim_q=head_dim_q, head_dim_v=head_dim_v, scale=float(scale), mask=mask,

@@ -84,9 +84,11 @@ def kernel_layout(t: torch.Tensor) -> torch.Tensor:
 
 
 def _aligned(inputs: AttentionInputs) -> AttentionInputs:
-    """The problem with q, k and v in ``kernel_layout``."""
-    return dataclasses.replace(inputs, q=kernel_layout(inputs.q), k=kernel_layout(inputs.k),
-                               v=kernel_layout(inputs.v))
+    """The problem with q, k and v in ``kernel_layout`` (itself when they are: no copy of the dataclass)."""
+    q, k, v = kernel_layout(inputs.q), kernel_layout(inputs.k), kernel_layout(inputs.v)
+    if q is inputs.q and k is inputs.k and v is inputs.v:
+        return inputs
+    return dataclasses.replace(inputs, q=q, k=k, v=v)
 
 
 def _row_strides(t: torch.Tensor, group: bool) -> tuple[int, int, int]:

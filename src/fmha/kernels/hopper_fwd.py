@@ -143,20 +143,22 @@ def packed_sequence(b, seqlen, seqstart_ptr, GROUP: gl.constexpr):
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, table_ptr,
-              seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right, BLOCK_M: gl.constexpr,
+def _producer(k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr,
+              table_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
               GROUP: gl.constexpr, PERSISTENT: gl.constexpr, BIAS: gl.constexpr):
     if PERSISTENT:
         pos = 0  # key tiles through the ring so far: slots and phases run on across the CTA's tiles
         for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
             pos = _produce_tile(t, pos, k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty,
-                                v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h,
-                                left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT, BIAS)
+                                v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles, bias_step_b,
+                                bias_step_h, left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT,
+                                BIAS)
     else:  # one tile per CTA (the ring position a tensor: the tile's branch returns one)
         _produce_tile(gl.program_id(0), gl.to_tensor(0), k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs,
-                      k_ready, k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles, bias_step_b,
-                      bias_step_h, left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT, BIAS)
+                      k_ready, k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles,
+                      bias_step_b, bias_step_h, left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP,
+                      PERSISTENT, BIAS)
 
 
 @gluon.jit
@@ -284,31 +286,33 @@ def _consumer_step(WG: gl.constexpr, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
-              k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b, lse_stride_h,
-              qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-              ALIBI: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr, BIAS: gl.constexpr):
+              k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
+              lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr,
+              PERSISTENT: gl.constexpr, BIAS: gl.constexpr):
     if PERSISTENT:
         pid = gl.program_id(0)
         grid = gl.num_programs(0)
         pos = 0  # key tiles through the ring so far, as in the producer
         for t in range(pid, tiles, grid):
             pos = _consume_tile(WG, t, pos, (t - pid) // grid, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars,
-                                k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles,
-                                stride_os, stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr,
-                                stride_ab, stride_ah, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI,
-                                GROUP, PERSISTENT, BIAS)
+                                k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr,
+                                table_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b, lse_stride_h,
+                                qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)
     else:  # one tile per CTA
         _consume_tile(WG, gl.program_id(0), gl.to_tensor(0), 0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars,
-                      k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os,
-                      stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)
+                      k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen,
+                      H, tiles, stride_os, stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr,
+                      stride_ab, stride_ah, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP,
+                      PERSISTENT, BIAS)
 
 
 @gluon.jit
 def _consume_tile(WG: gl.constexpr, t, pos, done, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs,
-                  bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
-                  lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
+                  bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os,
+                  stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr,
                   PERSISTENT: gl.constexpr, BIAS: gl.constexpr):
@@ -380,20 +384,20 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
     hi = gl.minimum(gl.maximum(inner_hi, lo), end)
     if WINDOW:
         for j in range(first + 1, lo):
-            o_acc, p_op, m_i, l_i = _consumer_step(WG, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready,
-                                                   v_empty, o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left,
-                                                   right, slope, s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM,
-                                                   STAGES, True, CAUSAL, WINDOW, ALIBI, BIAS)
+            o_acc, p_op, m_i, l_i = _consumer_step(WG, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty,
+                                                   v_ready, v_empty, o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale,
+                                                   left, right, slope, s_layout, o_layout, p_layout, BLOCK_N,
+                                                   HEAD_DIM, STAGES, True, CAUSAL, WINDOW, ALIBI, BIAS)
     for j in range(lo, hi):
-        o_acc, p_op, m_i, l_i = _consumer_step(WG, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
-                                               o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left, right, slope,
-                                               s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, False,
-                                               CAUSAL, WINDOW, ALIBI, BIAS)
+        o_acc, p_op, m_i, l_i = _consumer_step(WG, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty,
+                                               v_ready, v_empty, o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left,
+                                               right, slope, s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES,
+                                               False, CAUSAL, WINDOW, ALIBI, BIAS)
     for j in range(hi, end):
-        o_acc, p_op, m_i, l_i = _consumer_step(WG, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
-                                               o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left, right, slope,
-                                               s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, True,
-                                               CAUSAL, WINDOW, ALIBI, BIAS)
+        o_acc, p_op, m_i, l_i = _consumer_step(WG, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty,
+                                               v_ready, v_empty, o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left,
+                                               right, slope, s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES,
+                                               True, CAUSAL, WINDOW, ALIBI, BIAS)
 
     jl = ring0 + end - 1
     sl = jl % STAGES
@@ -432,13 +436,13 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
 # bias_step_b, h * bias_step_h: 0 for a broadcast dim), else ``bias_desc`` stands in as k_desc.
 @gluon.jit(do_not_specialize=["seqlen", "H", "kv_group", "tiles", "left", "right", "stride_ab", "stride_ah",
                               "stride_os", "stride_oh", "lse_stride_b", "lse_stride_h", "bias_step_b", "bias_step_h"])
-def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, out_ptr, lse_ptr, alibi_ptr, seqstart_ptr, table_ptr,
-                                seqlen, H, kv_group, tiles, qk_scale, left, right, stride_ab, stride_ah, stride_os,
-                                stride_oh, lse_stride_b, lse_stride_h, bias_step_b, bias_step_h, BLOCK_N: gl.constexpr,
-                                HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                                CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                                ALIBI: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr,
-                                BIAS: gl.constexpr):
+def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, out_ptr, lse_ptr, alibi_ptr, seqstart_ptr,
+                                table_ptr, seqlen, H, kv_group, tiles, qk_scale, left, right, stride_ab, stride_ah,
+                                stride_os, stride_oh, lse_stride_b, lse_stride_h, bias_step_b, bias_step_h,
+                                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                                NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr,
+                                WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr,
+                                PERSISTENT: gl.constexpr, BIAS: gl.constexpr):
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3)
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * NUM_CONSUMERS
     dtype: gl.constexpr = q_desc.dtype
@@ -471,32 +475,32 @@ def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, out_p
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
-                          k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
-                          lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
+                          k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
+                          lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M,
+                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
             (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
-                          k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
-                          lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
+                          k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
+                          lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M,
+                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
             (_producer, (k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
-                         seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right, BLOCK_M,
-                         BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT, BIAS)),
+                         seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right,
+                         BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT, BIAS)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
-                          k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
-                          lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
+                          k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
+                          lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M,
+                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
             (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
-                          k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
-                          lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
+                          k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
+                          lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M,
+                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
             (_consumer, (2, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
-                          k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b,
-                          lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
+                          k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
+                          lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M,
+                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
             (_producer, (k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
-                         seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right, BLOCK_M,
-                         BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT, BIAS)),
+                         seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right,
+                         BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT, BIAS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])

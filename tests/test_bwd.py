@@ -245,3 +245,40 @@ def test_torch_deterministic_algorithms_select_the_deterministic_mode(monkeypatc
     assert seen == [False, True, True]
     for a, b in zip(plain, under_flag):
         assert max_error(a, b) <= 1e-3
+
+
+@pytest.mark.parametrize("index", ["cu_seqlen_q", "seqstart", "alibi_slopes"])
+def test_backward_refuses_index_tensors_modified_after_the_forward(index, device, gen):
+    """The eager backward saves every tensor of the problem, so reusing a cu_seqlens buffer in place
+    between forward and backward raises instead of differentiating other lengths."""
+    slopes = torch.rand(2, generator=gen).to(device)
+    if index == "seqstart":
+        q, k, v = (t[0].clone().requires_grad_() for t in random_qkv(1, 10, 10, 2, 2, 16, 16, device=device,
+                                                                         generator=gen))
+        starts = torch.tensor([0, 4, 10], dtype=torch.int32, device=device)
+        out = fmha.attention_varlen(q, k, v, starts, starts)
+        starts[1] = 6
+    else:
+        q, k, v = (t.requires_grad_() for t in random_qkv(2, 8, 8, 2, 2, 16, 16, device=device, generator=gen))
+        cu = torch.tensor([0, 5, 8], dtype=torch.int32, device=device)
+        out = fmha.attention(q, k, v, cu_seqlen_q=cu, alibi_slopes=slopes)
+        if index == "cu_seqlen_q":
+            cu[1] = 2
+        else:
+            slopes.mul_(3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_backward_frees_the_inputs_it_saved(device, gen):
+    """Held outputs do not keep q alive once the backward has run (saved tensors are freed then)."""
+    import weakref
+
+    x = random_qkv(1, 8, 8, 2, 2, 16, 16, device=device, generator=gen)[0].requires_grad_()
+    q = x * 2
+    alive = weakref.ref(q)
+    out = fmha.attention(q, x, x)
+    del q
+    out.sum().backward()
+    assert alive() is None
+    assert out.shape == x.shape

@@ -12,6 +12,7 @@ through ``EagerAttention``, which runs the same implementations and backward; to
 fake tensors and dispatch modes get the ops (``use_custom_ops``).
 """
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -141,6 +142,13 @@ def _backward(ctx, dout, _dlse, _drandval):
 torch.library.register_autograd("fmha::fwd", _backward, setup_context=_setup_context)
 
 
+# The tensors of an AttentionInputs: the eager backward saves them with save_for_backward (version
+# checks, saved-tensor hooks, freed after backward) and keeps only the rest of the problem; seed and
+# offset (ints or tensors) are dropped, the backward has them in philox.
+_PROBLEM_TENSORS = ("q", "k", "v", "bias", "alibi_slopes", "cu_seqlen_q", "cu_seqlen_k", "seqstart_q",
+                    "seqstart_k", "seqlen_k", "seqstart_padded_q", "seqstart_padded_k")
+
+
 class EagerAttention(torch.autograd.Function):
     """``fmha::fwd`` and its backward without the dispatcher, for eager calls: the same launches
     on the problem ``check_inputs`` validated, handed over whole (rebuilding it from the op's 23
@@ -152,18 +160,20 @@ class EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inputs: AttentionInputs, q, k, v, bias, philox, return_randval: bool, deterministic: bool):
         out, lse, randval = ops.fwd(inputs, philox=philox, return_randval=return_randval)
-        ctx.save_for_backward(q, k, v, out, lse, bias, philox)
-        ctx.inputs = inputs
+        problem = [getattr(inputs, name) for name in _PROBLEM_TENSORS]
+        ctx.save_for_backward(out, lse, philox, *problem)
+        ctx.inputs = dataclasses.replace(inputs, seed=None, offset=None, **dict.fromkeys(_PROBLEM_TENSORS))
         ctx.deterministic = deterministic
         ctx.bias_grad = bias is not None and ctx.needs_input_grad[4]
         return out, lse, q.new_empty(0, dtype=torch.uint8) if randval is None else randval
 
     @staticmethod
     def backward(ctx, dout, _dlse, _drandval):
-        _, _, _, out, lse, _, philox = ctx.saved_tensors  # (unpacking checks q, k, v were not modified)
+        out, lse, philox, *problem = ctx.saved_tensors
+        inputs = dataclasses.replace(ctx.inputs, **dict(zip(_PROBLEM_TENSORS, problem)))
         # torch.use_deterministic_algorithms(True) turns the fixed-order dQ reduction on.
         deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
-        dq, dk, dv, dbias = ops.bwd(ctx.inputs, dout, out, lse, philox=philox, deterministic=deterministic,
+        dq, dk, dv, dbias = ops.bwd(inputs, dout, out, lse, philox=philox, deterministic=deterministic,
                                     bias_grad=ctx.bias_grad)
         return None, dq, dk, dv, dbias, None, None, None
 

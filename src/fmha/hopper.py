@@ -49,6 +49,7 @@ def _problem_reason(inputs: AttentionInputs, head_dims, windows_and_alibi: bool 
     ``seqstart``, with ``bias`` an elementwise bias that TMA can read (see ``_bias_reason``)."""
     q, k = inputs.q, inputs.k
     group_rows = group and inputs.group and _shared_sequences(inputs)
+    bias_why = _bias_reason(inputs) if bias else None
     checks = [
         (q.dtype not in (torch.float16, torch.bfloat16), "fp16 and bf16 only"),
         (inputs.group and not group, "group (varlen) mode"),
@@ -59,7 +60,7 @@ def _problem_reason(inputs: AttentionInputs, head_dims, windows_and_alibi: bool 
         (inputs.head_dim_q != inputs.head_dim_v or inputs.head_dim_q not in head_dims,
          f"head dims {sorted(head_dims)} with dq == dv only"),
         (inputs.bias is not None and not bias, "elementwise bias"),
-        (bias and _bias_reason(inputs) is not None, _bias_reason(inputs)),
+        (bias_why is not None, bias_why),
         (inputs.alibi_slopes is not None and not windows_and_alibi, "ALiBi"),
         (inputs.dropout_p > 0, "dropout"),
         (inputs.mask.type != MaskType.NONE and not inputs.mask.is_causal and not windows_and_alibi,
@@ -111,7 +112,8 @@ def _slower_reason(inputs: AttentionInputs, min_seqlen: int, min_seqlen_causal: 
 
 def fwd_unsupported(inputs: AttentionInputs) -> str | None:
     """Why the Hopper forward does not run this problem, or None."""
-    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_FWD_CONFIGS, True, True, True)
+    reason = device_unsupported(inputs.q.device) or _problem_reason(
+        inputs, HOPPER_FWD_CONFIGS, windows_and_alibi=True, group=True, bias=True)
     if reason is None:
         cfg = HOPPER_FWD_CONFIGS[inputs.head_dim_q]
         if inputs.alibi_slopes is not None and inputs.mask.is_causal and not cfg.causal_alibi:
@@ -127,7 +129,8 @@ def fwd_unsupported(inputs: AttentionInputs) -> str | None:
 
 def bwd_unsupported(inputs: AttentionInputs, deterministic: bool) -> str | None:
     """Why the Hopper backward does not run this problem, or None."""
-    reason = device_unsupported(inputs.q.device) or _problem_reason(inputs, HOPPER_BWD_CONFIGS, True, True)
+    reason = device_unsupported(inputs.q.device) or _problem_reason(
+        inputs, HOPPER_BWD_CONFIGS, windows_and_alibi=True, group=True)
     if reason is None and not HOPPER_BWD_CONFIGS[inputs.head_dim_q].windows_and_alibi:
         # everything else passed: what is left to refuse is a window, ALiBi or group mode
         reason = _problem_reason(inputs, HOPPER_BWD_CONFIGS)

@@ -1,8 +1,8 @@
 """Forward attention for Hopper (sm_90a) in Triton's Gluon dialect, FlashAttention-3's structure.
 
-A query tile is ``64 * NUM_CONSUMERS`` rows of one (batch, head); CTAs are persistent and run their
-tiles one after another, the rings' slots and phases running on across tiles (see ``_tile``). Warp
-roles (``gl.warp_specialize``):
+A query tile is ``64 * NUM_CONSUMERS`` rows of one (batch, head). A CTA runs one tile, or
+(``PERSISTENT``, short sequences) several in turn with the rings' slots and phases running on
+across them (see ``_tile``). Warp roles (``gl.warp_specialize``):
 
 * consumer warpgroups (4 warps each; consumer 0 is the default partition) own 64 query rows. Per
   key tile j they issue ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` as async wgmma, run the online

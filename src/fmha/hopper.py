@@ -152,21 +152,49 @@ def _smem_layout(block: tuple[int, ...], dtype: torch.dtype, swizzle: bool):
     return gl.NVMMASharedLayout.get_default_for(list(block), element)
 
 
-def _desc(t: torch.Tensor, rows: int, cols: int, swizzle: bool = True):
-    """A TMA descriptor over a ``[B, S, H, D]`` tensor with its own strides, box ``[1, rows, 1, cols]``."""
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a constexpr function, about 7 us a call on the host
+
+
+@functools.lru_cache(maxsize=None)
+def _valid_block(block: tuple[int, ...]) -> bool:
+    from triton._utils import validate_block_shape
+
+    validate_block_shape(list(block))  # raises for a dim that is not a power of two, or too many elements
+    return True
+
+
+@functools.lru_cache(maxsize=4096)
+def _tma_strides(strides: tuple[int, ...], element_size: int) -> bool:
+    """Whether TMA takes these strides: the last 1, the others multiples of 16 bytes."""
+    return strides[-1] == 1 and all(st * element_size % 16 == 0 for st in strides[:-1])
+
+
+def _tma_desc(base: torch.Tensor, shape: list[int], strides: list[int], block: tuple[int, ...], layout):
+    """``TensorDescriptor(base, shape, strides, block, layout)`` without its constructor's checks
+    when they pass (they cost more host time than the launch: 13 descriptors in a forward and
+    backward at 1k); when one fails, the constructor itself raises."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    if (base.data_ptr() % 16 == 0 and 0 not in shape and _tma_strides(tuple(strides), base.element_size())
+            and _valid_block(block)):
+        desc = object.__new__(TensorDescriptor)
+        desc.__dict__.update(base=base, shape=shape, strides=strides, block_shape=list(block), layout=layout,
+                             padding="zero")
+        return desc
+    return TensorDescriptor(base, shape, strides, list(block), layout)
+
+
+def _desc(t: torch.Tensor, rows: int, cols: int, swizzle: bool = True):
+    """A TMA descriptor over a ``[B, S, H, D]`` tensor with its own strides, box ``[1, rows, 1, cols]``."""
     block = (1, rows, 1, cols)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _smem_layout(block, t.dtype, swizzle))
+    return _tma_desc(t, list(t.shape), list(t.stride()), block, _smem_layout(block, t.dtype, swizzle))
 
 
 def _stat_desc(t: torch.Tensor, block_m: int):
     """``[B, H, S_pad]`` fp32 statistics as 2-D ``[B*H, S_pad]``, unswizzled boxes ``[1, block_m]``."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     t2 = t.view(-1, t.shape[-1])
-    return TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [1, block_m],
-                            _smem_layout((1, block_m), t.dtype, False))
+    return _tma_desc(t2, list(t2.shape), list(t2.stride()), (1, block_m), _smem_layout((1, block_m), t.dtype, False))
 
 
 def _window_and_alibi_args(inputs: AttentionInputs, placeholder: torch.Tensor) -> dict:
@@ -200,16 +228,14 @@ def _bias_args(inputs: AttentionInputs, rows: int, block_n: int) -> dict:
     bias = inputs.bias
     if bias is None:
         return dict(BIAS=False, bias_step_b=0, bias_step_h=0)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     batch, nhead, seqlen_q, seqlen_k = bias.shape
     stride_b, stride_h, stride_row, _ = bias.stride()
     # A broadcast dim is one row of the descriptor, read at coordinate 0; its stride only needs to
     # be valid for TMA.
     shape = [batch if stride_b else 1, nhead if stride_h else 1, seqlen_q, seqlen_k]
     strides = [stride_b or stride_row * seqlen_q, stride_h or stride_row * seqlen_q, stride_row, 1]
-    block = [1, 1, rows, block_n]
-    desc = TensorDescriptor(bias, shape, strides, block, _smem_layout(tuple(block), bias.dtype, True))
+    block = (1, 1, rows, block_n)
+    desc = _tma_desc(bias, shape, strides, block, _smem_layout(block, bias.dtype, True))
     return dict(bias_desc=desc, BIAS=True, bias_step_b=int(stride_b != 0), bias_step_h=int(stride_h != 0))
 
 
@@ -244,13 +270,13 @@ def fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
         # One CTA per tile of the table: each sequence has at most one ragged tile, so total rows //
         # block_m + batch tiles per head bound them, as do the longest sequence's tiles for every
         # sequence (the old grid, mostly empty when lengths vary).
-        tiles = min(q.shape[1] // block_m + batch, triton.cdiv(seqlen, block_m) * batch) * nhead
+        tiles = min(q.shape[1] // block_m + batch, _cdiv(seqlen, block_m) * batch) * nhead
         table = torch.empty(tiles, dtype=torch.int64, device=q.device)
         launches.append((hopper_fwd_varlen_schedule, (batch,), dict(
             Seqstart=inputs.seqstart_q, Table=table, B=batch, H=nhead, table_len=tiles, BLOCK_M=block_m,
             CHUNK=SCHEDULE_CHUNK, num_warps=4)))
     else:
-        tiles = triton.cdiv(seqlen, block_m) * batch * nhead
+        tiles = _cdiv(seqlen, block_m) * batch * nhead
         table = lse  # never read
     features = _window_and_alibi_args(inputs, lse)
     persistent = fwd_persistent(inputs)
@@ -304,7 +330,7 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
     kv_group = nhead // nhead_k
     # Statistics per (sequence, head) with padded rows, as in batch mode: the next sequence's rows
     # in a ragged query tile then see -lse = -inf.
-    seqlen_pad = triton.cdiv(seqlen, STAT_PAD) * STAT_PAD
+    seqlen_pad = _cdiv(seqlen, STAT_PAD) * STAT_PAD
     neg_delta = torch.empty((batch, nhead, seqlen_pad), dtype=torch.float32, device=q.device)
     neg_lse = torch.empty_like(neg_delta)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -329,7 +355,7 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
             DQ_COLS=cfg.dq_cols, CONSUMER_REGS=cfg.consumer_regs, CAUSAL=inputs.mask.is_causal, num_warps=4,
             maxnreg=cfg.maxnreg,
         )
-        main = (attention_bwd_hopper_wide_kernel, (triton.cdiv(seqlen, WIDE_KEYS.value) * batch * nhead_k,), wide)
+        main = (attention_bwd_hopper_wide_kernel, (_cdiv(seqlen, WIDE_KEYS.value) * batch * nhead_k,), wide)
     else:
         features = _window_and_alibi_args(inputs, neg_lse)
         block_m = cfg.block_m_for(inputs.group or features["WINDOW"] or features["ALIBI"] != 0)
@@ -346,9 +372,9 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
             CAUSAL=inputs.mask.is_causal, GROUP=inputs.group, num_warps=4, maxnreg=cfg.maxnreg,
             **features,
         )
-        main = (attention_bwd_hopper_kernel, (triton.cdiv(seqlen, BLOCK_N.value) * batch * nhead_k,), narrow)
+        main = (attention_bwd_hopper_kernel, (_cdiv(seqlen, BLOCK_N.value) * batch * nhead_k,), narrow)
     return [
         (hopper_bwd_preprocess, (seqlen_pad // STAT_PAD * batch * nhead,), preprocess),
         main,
-        (hopper_bwd_convert_dq, (triton.cdiv(dq.numel(), CONVERT_BLOCK),), convert),
+        (hopper_bwd_convert_dq, (_cdiv(dq.numel(), CONVERT_BLOCK),), convert),
     ]

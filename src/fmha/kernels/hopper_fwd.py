@@ -112,12 +112,13 @@ def _tile(t, seqlen, H, tiles, table_ptr, BLOCK_M: gl.constexpr, CAUSAL: gl.cons
     they go query-tile major, longest first across all (batch, head) pairs: head-major, CTA
     c's tiles would be a run of adjacent lengths, the first CTAs' all long (0.64 of the work
     balanced at 16k)."""
-    if GROUP:  # from the table; an entry past the last tile gives m0 = seqlen, which no sequence passes
+    if GROUP:  # from the table; an entry past the last tile gives (0, 0, 2^30), past every sequence even
+        # when max_seqlen_q understates one (it is not checked while tracing)
         entry = gl.load(table_ptr + t)
         valid = entry >= 0
         b = gl.where(valid, entry >> TABLE_B_SHIFT, 0).to(gl.int32)
-        h = ((entry >> TABLE_H_SHIFT) & TABLE_FIELD).to(gl.int32)
-        m0 = gl.where(valid, (entry & TABLE_FIELD).to(gl.int32) * BLOCK_M, seqlen)
+        h = gl.where(valid, (entry >> TABLE_H_SHIFT) & TABLE_FIELD, 0).to(gl.int32)
+        m0 = gl.where(valid, (entry & TABLE_FIELD).to(gl.int32) * BLOCK_M, 1 << 30)
         return b, h, m0
     n_m = gl.cdiv(seqlen, BLOCK_M)
     if PERSISTENT and CAUSAL:

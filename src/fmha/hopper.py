@@ -35,7 +35,14 @@ def device_unsupported(device: torch.device) -> str | None:
         return "FMHA_PORTABLE=1"
     if INTERPRET or device.type != "cuda":
         return "not on a CUDA device"
-    if torch.cuda.get_device_capability(device) != (9, 0):
+    return _cuda_device_unsupported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device_unsupported(index: int) -> str | None:
+    """``device_unsupported`` of CUDA device ``index`` (cached: reading the capability costs a
+    short call's host time every time)."""
+    if torch.cuda.get_device_capability(index) != (9, 0):
         return "needs compute capability 9.0 (Hopper)"
     if not triton.__version__.startswith(GLUON_TRITON):
         return f"the Gluon kernels are written for Triton 3.6, this is {triton.__version__}"

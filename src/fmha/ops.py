@@ -18,6 +18,7 @@ from .kernels.bwd_convert_dq import attention_bwd_convert_dq_kernel
 from .kernels.bwd_dot_do_o import attention_bwd_dot_do_o_kernel
 from .kernels.bwd_dq_dk_dv import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
 from .kernels.fwd import attention_fwd_kernel
+from .launch import launch
 from .masks import MaskType
 
 LOG2E = 1.4426950408889634
@@ -127,11 +128,11 @@ def fwd(
     # (a caller's ``out`` with misaligned strides takes the portable kernel, which writes any layout)
     if is_kernel_layout(out) and hopper.fwd_unsupported(inputs) is None:
         for kernel, grid, kwargs in hopper.fwd_launches(inputs, out, lse):
-            kernel[grid](**kwargs)
+            launch(kernel, grid, kwargs)
         return out, lse if return_lse else None, randval
     grid, kwargs = fwd_kernel_args(inputs, out, lse, randval, philox)
     if grid[0] > 0:
-        attention_fwd_kernel[grid](**kwargs)
+        launch(attention_fwd_kernel, grid, kwargs)
     return out, lse if return_lse else None, randval
 
 
@@ -238,7 +239,7 @@ def _named(prefix: str, strides: tuple[int, int, int]) -> dict[str, int]:
 
 
 class Launch(NamedTuple):
-    """One kernel launch: ``kernel[grid](**kwargs)``."""
+    """One kernel launch: ``launch(kernel, grid, kwargs)``."""
 
     kernel: object
     grid: tuple[int]
@@ -261,8 +262,8 @@ def bwd(
     """
     launches, (dq, dk, dv, dbias_full) = bwd_launches(
         inputs, dout, out, lse, philox=philox, deterministic=deterministic, bias_grad=bias_grad)
-    for launch in launches:
-        launch.kernel[launch.grid](**launch.kwargs)
+    for kernel, grid, kwargs in launches:
+        launch(kernel, grid, kwargs)
     return dq, dk, dv, _reduce_dbias(inputs, dbias_full)
 
 
@@ -303,7 +304,7 @@ def bwd_launches(
     if no_queries:
         return [], grads
     if hopper.bwd_unsupported(inputs, deterministic) is None:
-        return [Launch(*launch) for launch in hopper.bwd_launches(inputs, dout, out, lse, dq, dk, dv)], grads
+        return [Launch(*entry) for entry in hopper.bwd_launches(inputs, dout, out, lse, dq, dk, dv)], grads
 
     cfg = bwd_config(q.dtype, inputs.head_dim_q, inputs.head_dim_v, has_bias=inputs.bias is not None,
                      has_dropout=inputs.dropout_p > 0)

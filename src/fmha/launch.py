@@ -1,0 +1,90 @@
+"""Kernel launches with less host work than Triton's ``JITFunction.run``.
+
+At short sequences an attention call is host-bound (benchmarks/NOTES.md, session 16): on every
+launch ``run`` binds all ~40 arguments and specializes each, builds its cache key with
+``str(options)``, re-checks the kernel's globals and builds launch metadata for hooks nobody set.
+``launch`` keys the compiled kernel by what Triton specializes on instead (``_Launcher.key``, a
+refinement of Triton's own key), and after the first launch of a key calls the compiled
+kernel's launcher directly: on the H200's host the forward's kernel took 68-92 us through
+``run`` and takes 42-54 through ``launch``, 21-27 of them in the compiled launcher itself. The
+first launch of each key, every launch while a launch hook (a profiler such as Proton) is set,
+and the interpreter go through ``run``.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton import knobs
+from triton.knobs import HookChain
+from triton.runtime.driver import driver
+
+from .kernels import INTERPRET
+
+_DESCRIPTOR_NAMES = ("TensorDescriptor",)
+
+
+def _arg_key(value):
+    """What Triton's specialization of one non-constexpr argument depends on (or finer)."""
+    kind = type(value)
+    if kind is torch.Tensor:
+        return value.dtype, value.data_ptr() % 16 == 0
+    if kind is int:  # 1 becomes a constant; divisibility by 16 an attribute; the range picks i32/i64/u64
+        return kind, value == 1, value % 16 == 0, -(2**31) <= value < 2**31, value < 2**63
+    if kind is float:  # always fp32, whatever the value
+        return kind
+    if kind.__name__ in _DESCRIPTOR_NAMES:  # host-side TMA descriptors (Triton's and Gluon's)
+        base = value.base
+        return (kind, base.dtype, base.data_ptr() % 16 == 0, tuple(value.block_shape),
+                getattr(value, "layout", None), value.padding)
+    return kind, value  # bool, None, str: by value
+
+
+class _Launcher:
+    """One kernel's parameters (``(name, is_constexpr)``, in order) and its compiled kernels by
+    (device, ``key``)."""
+
+    def __init__(self, kernel):
+        self.params = [(p.name, p.is_constexpr) for p in kernel.params]
+        self.names = frozenset(name for name, _ in self.params)
+        self.compiled = {}
+
+    def key(self, kwargs: dict) -> tuple:
+        """For each parameter the value of a constexpr or ``_arg_key`` of any other argument, then
+        the launch options (keyword arguments that are no parameter, e.g. ``num_warps``): two
+        launches with one key get one compiled kernel from Triton."""
+        key = [kwargs[name] if constexpr else _arg_key(kwargs[name]) for name, constexpr in self.params]
+        key.extend(item for item in kwargs.items() if item[0] not in self.names)
+        return tuple(key)
+
+
+_LAUNCHERS: dict[int, _Launcher] = {}  # by id(kernel): kernels live as long as their modules
+
+
+def _hooks_set() -> bool:
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(type(hook) is not HookChain or hook.calls for hook in hooks)
+
+
+def launch(kernel, grid: tuple[int, ...], kwargs: dict) -> None:
+    """``kernel[grid](**kwargs)``, through the compiled kernel's launcher once Triton has built it.
+
+    Every parameter must be given in ``kwargs`` (no defaults), as fmha's launchers do. Settings
+    that change compile options between launches (``TRITON_DEBUG``, instrumentation) take effect
+    at the first launch of a key."""
+    if INTERPRET:
+        kernel[grid](**kwargs)
+        return
+    launcher = _LAUNCHERS.get(id(kernel))
+    if launcher is None:
+        launcher = _LAUNCHERS[id(kernel)] = _Launcher(kernel)
+    device = driver.active.get_current_device()
+    key = (device, launcher.key(kwargs))
+    compiled = launcher.compiled.get(key)
+    if compiled is None or _hooks_set():
+        compiled = kernel[grid](**kwargs)
+        if getattr(compiled, "function", None) is not None:  # loaded (not a pending asynchronous compile)
+            launcher.compiled[key] = compiled
+        return
+    grid = (*grid, 1, 1)
+    compiled.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *[kwargs[name] for name, _ in launcher.params])

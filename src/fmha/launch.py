@@ -1,6 +1,6 @@
 """Kernel launches with less host work than Triton's ``JITFunction.run``.
 
-At short sequences an attention call is host-bound (benchmarks/NOTES.md, session 16): on every
+At short sequences an attention call is host-bound (benchmarks/NOTES.md, session 10): on every
 launch ``run`` binds all ~40 arguments and specializes each, builds its cache key with
 ``str(options)``, re-checks the kernel's globals and builds launch metadata for hooks nobody set.
 ``launch`` keys the compiled kernel by what Triton specializes on instead (``_Launcher.key``, a

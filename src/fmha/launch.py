@@ -8,7 +8,8 @@ refinement of Triton's own key), and after the first launch of a key calls the c
 kernel's launcher directly: on the H200's host the forward's kernel took 68-92 us through
 ``run`` and takes 42-54 through ``launch``, 21-27 of them in the compiled launcher itself. The
 first launch of each key, every launch while a launch hook (a profiler such as Proton) is set,
-and the interpreter go through ``run``.
+and the interpreter go through ``run``. Skipped on the direct path is what fmha does not use:
+pre-run hooks, and the check that the globals a kernel read have not changed since it compiled.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ _DESCRIPTOR_NAMES = ("TensorDescriptor",)
 
 
 def _arg_key(value):
-    """What Triton's specialization of one non-constexpr argument depends on (or finer)."""
+    """What Triton's specialization of one non-constexpr argument depends on (or finer); never
+    the tensor itself (the cache would keep it alive)."""
     kind = type(value)
     if kind is torch.Tensor:
         return value.dtype, value.data_ptr() % 16 == 0
@@ -36,28 +38,33 @@ def _arg_key(value):
         base = value.base
         return (kind, base.dtype, base.data_ptr() % 16 == 0, tuple(value.block_shape),
                 getattr(value, "layout", None), value.padding)
+    if isinstance(value, torch.Tensor):  # subclasses (nn.Parameter): specialized as tensors
+        return value.dtype, value.data_ptr() % 16 == 0
     return kind, value  # bool, None, str: by value
 
 
 class _Launcher:
-    """One kernel's parameters (``(name, is_constexpr)``, in order) and its compiled kernels by
-    (device, ``key``)."""
+    """One kernel (held, so that its id stays its own), its parameters (``(name, is_constexpr)``,
+    in order) and its compiled kernels by (device, ``key``)."""
 
     def __init__(self, kernel):
+        self.kernel = kernel
         self.params = [(p.name, p.is_constexpr) for p in kernel.params]
         self.names = frozenset(name for name, _ in self.params)
         self.compiled = {}
 
     def key(self, kwargs: dict) -> tuple:
         """For each parameter the value of a constexpr or ``_arg_key`` of any other argument, then
-        the launch options (keyword arguments that are no parameter, e.g. ``num_warps``): two
-        launches with one key get one compiled kernel from Triton."""
+        the options ``JITFunction.run`` compiles with: keyword arguments that are no parameter
+        (e.g. ``num_warps``), and the debug and instrumentation settings it reads on every call.
+        Two launches with one key get one compiled kernel from Triton."""
         key = [kwargs[name] if constexpr else _arg_key(kwargs[name]) for name, constexpr in self.params]
         key.extend(item for item in kwargs.items() if item[0] not in self.names)
+        key.append((knobs.runtime.debug, knobs.compilation.instrumentation_mode))
         return tuple(key)
 
 
-_LAUNCHERS: dict[int, _Launcher] = {}  # by id(kernel): kernels live as long as their modules
+_LAUNCHERS: dict[int, _Launcher] = {}  # by id(kernel) (hashing a JITFunction costs a lock)
 
 
 def _hooks_set() -> bool:
@@ -68,21 +75,20 @@ def _hooks_set() -> bool:
 def launch(kernel, grid: tuple[int, ...], kwargs: dict) -> None:
     """``kernel[grid](**kwargs)``, through the compiled kernel's launcher once Triton has built it.
 
-    Every parameter must be given in ``kwargs`` (no defaults), as fmha's launchers do. Settings
-    that change compile options between launches (``TRITON_DEBUG``, instrumentation) take effect
-    at the first launch of a key."""
+    Every parameter must be given in ``kwargs`` (no defaults), as fmha's launchers do. While a
+    launch hook is set every launch goes through ``run`` and nothing is cached."""
     if INTERPRET:
         kernel[grid](**kwargs)
         return
     launcher = _LAUNCHERS.get(id(kernel))
-    if launcher is None:
+    if launcher is None or launcher.kernel is not kernel:
         launcher = _LAUNCHERS[id(kernel)] = _Launcher(kernel)
     device = driver.active.get_current_device()
     key = (device, launcher.key(kwargs))
     compiled = launcher.compiled.get(key)
     if compiled is None or _hooks_set():
         compiled = kernel[grid](**kwargs)
-        if getattr(compiled, "function", None) is not None:  # loaded (not a pending asynchronous compile)
+        if getattr(compiled, "function", None) is not None and not _hooks_set():  # loaded, and no hook
             launcher.compiled[key] = compiled
         return
     grid = (*grid, 1, 1)

@@ -9,7 +9,6 @@ compiled kernel's launcher alone (with its TMA descriptors' ``make_tensordesc_ar
 """
 
 import argparse
-import time
 
 import fmha  # noqa: F401  (before triton: it picks Triton's backend)
 import torch
@@ -21,19 +20,7 @@ from fmha.bench import PROVIDERS, Case, make_problem
 from fmha.inputs import check_inputs
 from fmha.kernels.fwd import attention_fwd_kernel
 from fmha.launch import launch
-
-
-def best_us(fn, calls: int = 40, batches: int = 9) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(batches):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    torch.cuda.synchronize()
-    return best
+from host_time import host_us as best_us  # (run as a script, benchmarks/ is on the path)
 
 
 def report(tag: str, part: str, us: float) -> None:

@@ -19,6 +19,7 @@ import triton
 
 from .configs import HOPPER_BWD_CONFIGS, HOPPER_FWD_CONFIGS
 from .inputs import AttentionInputs
+from .launch import cdiv
 from .kernels import INTERPRET
 from .masks import MaskType
 
@@ -35,7 +36,11 @@ def device_unsupported(device: torch.device) -> str | None:
         return "FMHA_PORTABLE=1"
     if INTERPRET or device.type != "cuda":
         return "not on a CUDA device"
-    return _cuda_device_unsupported(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_device_unsupported(_device_index(device))
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.lru_cache(maxsize=None)
@@ -159,10 +164,6 @@ def _smem_layout(block: tuple[int, ...], dtype: torch.dtype, swizzle: bool):
     return gl.NVMMASharedLayout.get_default_for(list(block), element)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv is a constexpr function, about 7 us a call on the host
-
-
 @functools.lru_cache(maxsize=None)
 def _valid_block(block: tuple[int, ...]) -> bool:
     from triton._utils import validate_block_shape
@@ -277,19 +278,18 @@ def fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
         # One CTA per tile of the table: each sequence has at most one ragged tile, so total rows //
         # block_m + batch tiles per head bound them, as do the longest sequence's tiles for every
         # sequence (the old grid, mostly empty when lengths vary).
-        tiles = min(q.shape[1] // block_m + batch, _cdiv(seqlen, block_m) * batch) * nhead
+        tiles = min(q.shape[1] // block_m + batch, cdiv(seqlen, block_m) * batch) * nhead
         table = torch.empty(tiles, dtype=torch.int64, device=q.device)
         launches.append((hopper_fwd_varlen_schedule, (batch,), dict(
             Seqstart=inputs.seqstart_q, Table=table, B=batch, H=nhead, table_len=tiles, BLOCK_M=block_m,
             CHUNK=SCHEDULE_CHUNK, num_warps=4)))
     else:
-        tiles = _cdiv(seqlen, block_m) * batch * nhead
+        tiles = cdiv(seqlen, block_m) * batch * nhead
         table = lse  # never read
     features = _window_and_alibi_args(inputs, lse)
     persistent = fwd_persistent(inputs)
     if persistent and q.device.type == "cuda":  # (compiling for sm_90a on a CPU: one tile per CTA)
-        device = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        grid = (min(tiles, _sm_count(device)),)
+        grid = (min(tiles, _sm_count(_device_index(q.device))),)
     else:
         grid = (tiles,)  # 1-D: grid y stops at 65535
     k_desc = _desc(k, cfg.block_n, head_dim)
@@ -337,7 +337,7 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
     kv_group = nhead // nhead_k
     # Statistics per (sequence, head) with padded rows, as in batch mode: the next sequence's rows
     # in a ragged query tile then see -lse = -inf.
-    seqlen_pad = _cdiv(seqlen, STAT_PAD) * STAT_PAD
+    seqlen_pad = cdiv(seqlen, STAT_PAD) * STAT_PAD
     neg_delta = torch.empty((batch, nhead, seqlen_pad), dtype=torch.float32, device=q.device)
     neg_lse = torch.empty_like(neg_delta)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -362,7 +362,7 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
             DQ_COLS=cfg.dq_cols, CONSUMER_REGS=cfg.consumer_regs, CAUSAL=inputs.mask.is_causal, num_warps=4,
             maxnreg=cfg.maxnreg,
         )
-        main = (attention_bwd_hopper_wide_kernel, (_cdiv(seqlen, WIDE_KEYS.value) * batch * nhead_k,), wide)
+        main = (attention_bwd_hopper_wide_kernel, (cdiv(seqlen, WIDE_KEYS.value) * batch * nhead_k,), wide)
     else:
         features = _window_and_alibi_args(inputs, neg_lse)
         block_m = cfg.block_m_for(inputs.group or features["WINDOW"] or features["ALIBI"] != 0)
@@ -379,9 +379,9 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
             CAUSAL=inputs.mask.is_causal, GROUP=inputs.group, num_warps=4, maxnreg=cfg.maxnreg,
             **features,
         )
-        main = (attention_bwd_hopper_kernel, (_cdiv(seqlen, BLOCK_N.value) * batch * nhead_k,), narrow)
+        main = (attention_bwd_hopper_kernel, (cdiv(seqlen, BLOCK_N.value) * batch * nhead_k,), narrow)
     return [
         (hopper_bwd_preprocess, (seqlen_pad // STAT_PAD * batch * nhead,), preprocess),
         main,
-        (hopper_bwd_convert_dq, (_cdiv(dq.numel(), CONVERT_BLOCK),), convert),
+        (hopper_bwd_convert_dq, (cdiv(dq.numel(), CONVERT_BLOCK),), convert),
     ]

@@ -7,7 +7,6 @@ import math
 from typing import NamedTuple
 
 import torch
-import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import hopper
@@ -18,7 +17,7 @@ from .kernels.bwd_convert_dq import attention_bwd_convert_dq_kernel
 from .kernels.bwd_dot_do_o import attention_bwd_dot_do_o_kernel
 from .kernels.bwd_dq_dk_dv import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
 from .kernels.fwd import attention_fwd_kernel
-from .launch import launch
+from .launch import cdiv, launch
 from .masks import MaskType
 
 LOG2E = 1.4426950408889634
@@ -212,7 +211,7 @@ def fwd_kernel_args(
     group = inputs.group
     cfg = fwd_config(inputs.q.dtype, inputs.head_dim_q, inputs.head_dim_v, has_bias=inputs.bias is not None,
                      has_dropout=inputs.dropout_p > 0)
-    num_m_blocks = triton.cdiv(inputs.max_seqlen_q, cfg.block_m)
+    num_m_blocks = cdiv(inputs.max_seqlen_q, cfg.block_m)
     grid = (num_m_blocks * inputs.nhead_q * inputs.batch,)
     randval_strides = (0, 0, 0)
     if randval is not None:
@@ -314,7 +313,7 @@ def bwd_launches(
 
     # D = (1 - p) * rowsum(dO * O), laid out like LSE.
     delta = torch.empty_like(lse)
-    num_m_blocks = triton.cdiv(inputs.max_seqlen_q, cfg.block_m_dq)
+    num_m_blocks = cdiv(inputs.max_seqlen_q, cfg.block_m_dq)
     grid_q = (num_m_blocks * inputs.nhead_q * inputs.batch,)
     launches = [Launch(attention_bwd_dot_do_o_kernel, grid_q, dict(
         Out=out, DOut=dout, Delta=delta, SeqstartQ=inputs.seqstart_q,
@@ -332,7 +331,7 @@ def bwd_launches(
     dbias_strides = (0, 0, 0, 0)
     if dbias_full is not None:
         dbias_strides = (0, *dbias_full.stride()) if group else dbias_full.stride()
-    num_n_blocks = triton.cdiv(inputs.max_seqlen_k, cfg.block_n)
+    num_n_blocks = cdiv(inputs.max_seqlen_k, cfg.block_n)
     grid_k = (num_n_blocks * inputs.nhead_k * inputs.batch,)
     launches.append(Launch(attention_bwd_dkdv_kernel, grid_k, dict(
         **common, DOut=dout, Lse=lse, Delta=delta, DQAcc=dq_acc, DQAccDesc=dq_acc_desc, DK=dk, DV=dv,

@@ -294,3 +294,69 @@ def test_backward_with_window_or_alibi_against_reference(case):
     for name, got, exact, low in zip("qkv", grads, exact_grads, low_grads):
         assert torch.isfinite(got).all(), f"d{name}"
         assert max_error(got, exact) <= error_bound(dtype, max_error(low, exact)), f"d{name}"
+
+
+# The forward with dropout. Exact bytes: with q = 0 every visible key weighs 1/n, and V's rows are
+# one-hot (key j in column j), so O[i, j] * n * (1 - p) is 1 where CK's byte keeps (i, j), else 0.
+# The seed and offset make the counter's low word carry for the later batches and heads.
+DROPOUT_SEEDS = dict(seed=2**40 + 9, offset=2**32 - 200)
+# (batch, head_dim = seqlen, mask, dtype, p): thresholds above and below 128 (the compare's top bit)
+DROPOUT_BYTE_CASES = [
+    (2, 128, None, torch.bfloat16, 0.3),
+    (2, 128, "t", torch.float16, 0.7),
+    (3, 128, "b:40,7", torch.bfloat16, 0.1),
+]
+
+
+@pytest.mark.parametrize("case", DROPOUT_BYTE_CASES, ids=[f"b{c[0]}-d{c[1]}-{c[2] or 'n'}-{str(c[3])[6:]}-p{c[4]}"
+                                                          for c in DROPOUT_BYTE_CASES])
+def test_forward_dropout_keeps_ck_bytes(case):
+    batch, n, mask, dtype, p = case
+    nhead = 3
+    q = torch.zeros(batch, n, nhead, n, device="cuda", dtype=dtype)
+    v = torch.zeros_like(q)
+    v[:, torch.arange(n), :, torch.arange(n)] = 1  # key j's value is column j
+    kwargs = dict(mask=mask, dropout_p=p, **DROPOUT_SEEDS)
+    assert hopper.fwd_unsupported(check_inputs(q, q, v, **kwargs)) is None
+    out = fmha.fwd(q, q, v, **kwargs).out
+    seen = fmha.reference.visible(fmha.masks.parse_mask(mask), n, n, device="cuda")
+    weight = seen.sum(1, keepdim=True) * (1 - p)  # [n, 1]: visible keys per row
+    for b in range(batch):
+        keep = fmha.reference.dropout_randval(DROPOUT_SEEDS["seed"], DROPOUT_SEEDS["offset"], b, nhead, n, n,
+                                              device="cuda") <= int(255 * (1 - p))
+        want = (keep & seen).to(torch.float32)  # [H, n, n]
+        scaled = out[b].float().permute(1, 0, 2) * weight
+        assert torch.all((scaled - want).abs() < 0.05), f"batch {b}"
+
+
+# Dropout at real shapes against the reference: ragged lengths, GQA, masks, ALiBi; the backward
+# (portable) runs from the fast forward's LSE with the same bytes.
+# (batch, seqlen, nhead_q, nhead_k, head_dim, mask, alibi, dtype)
+DROPOUT_CASES = [
+    (2, 1000, 4, 4, 128, None, False, torch.bfloat16),
+    (1, 1500, 4, 2, 128, "t", False, torch.float16),
+    (2, 700, 2, 2, 128, "b", True, torch.bfloat16),
+    (1, 1000, 4, 4, 128, "b:100,0", True, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", DROPOUT_CASES, ids=[
+    f"s{c[1]}-h{c[2]}/{c[3]}-d{c[4]}-{c[5] or 'n'}-{'alibi' if c[6] else 'plain'}-{str(c[7])[6:]}"
+    for c in DROPOUT_CASES])
+def test_forward_with_dropout_against_reference(case):
+    batch, seqlen, nhead, nhead_k, head_dim, mask, alibi, dtype = case
+    q, k, v, dout, _ = _problem((batch, seqlen, nhead, nhead_k, head_dim, mask, dtype, "bshd"))
+    kwargs = dict(mask=mask, dropout_p=0.2, **DROPOUT_SEEDS)
+    if alibi:
+        kwargs["alibi_slopes"] = fmha.alibi_slopes(nhead, device="cuda")
+    assert hopper.fwd_unsupported(check_inputs(q, k, v, **kwargs)) is None
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    result = fmha.fwd(*leaves, **kwargs, return_lse=True)
+    grads = torch.autograd.grad(fmha.attention(*leaves, **kwargs), leaves, dout)
+
+    exact_out, exact_lse, exact_grads = _reference(q, k, v, dout, kwargs, torch.float32)
+    low_out, _, low_grads = _reference(q, k, v, dout, kwargs, dtype)
+    assert max_error(result.out, exact_out) <= error_bound(dtype, max_error(low_out, exact_out))
+    assert max_error(result.lse, exact_lse) <= 2e-3
+    for name, got, exact, low in zip("qkv", grads, exact_grads, low_grads):
+        assert max_error(got, exact) <= error_bound(dtype, max_error(low, exact)), f"d{name}"

@@ -28,6 +28,8 @@ LOG2E = 1.4426950408889634
 GLUON_TRITON = "3.6."
 CONVERT_BLOCK = 4096
 SCHEDULE_CHUNK = 1024  # sequences (and table entries) per step of the group-mode tile table
+# The forward with dropout runs 16 warps (see HopperFwdConfig.dropout_consumer_regs): 64K / 512 threads.
+DROPOUT_MAXNREG = 128
 
 
 def device_unsupported(device: torch.device) -> str | None:
@@ -55,10 +57,11 @@ def _cuda_device_unsupported(index: int) -> str | None:
 
 
 def _problem_reason(inputs: AttentionInputs, head_dims, windows_and_alibi: bool = False,
-                    group: bool = False, bias: bool = False) -> str | None:
+                    group: bool = False, bias: bool = False, dropout: bool = False) -> str | None:
     """Why the fast path's kernels do not cover a problem; with ``windows_and_alibi`` they also
     take sliding windows and ALiBi, with ``group`` group mode whose queries and keys share one
-    ``seqstart``, with ``bias`` an elementwise bias that TMA can read (see ``_bias_reason``)."""
+    ``seqstart``, with ``bias`` an elementwise bias that TMA can read (see ``_bias_reason``), with
+    ``dropout`` dropout."""
     q, k = inputs.q, inputs.k
     group_rows = group and inputs.group and _shared_sequences(inputs)
     bias_why = _bias_reason(inputs) if bias else None
@@ -74,7 +77,7 @@ def _problem_reason(inputs: AttentionInputs, head_dims, windows_and_alibi: bool 
         (inputs.bias is not None and not bias, "elementwise bias"),
         (bias_why is not None, bias_why),
         (inputs.alibi_slopes is not None and not windows_and_alibi, "ALiBi"),
-        (inputs.dropout_p > 0, "dropout"),
+        (inputs.dropout_p > 0 and not dropout, "dropout"),
         (inputs.mask.type != MaskType.NONE and not inputs.mask.is_causal and not windows_and_alibi,
          "sliding-window mask"),
         (inputs.max_seqlen_q == 0 or inputs.batch * inputs.nhead_q == 0, "empty problem"),
@@ -125,13 +128,19 @@ def _slower_reason(inputs: AttentionInputs, min_seqlen: int, min_seqlen_causal: 
 def fwd_unsupported(inputs: AttentionInputs) -> str | None:
     """Why the Hopper forward does not run this problem, or None."""
     reason = device_unsupported(inputs.q.device) or _problem_reason(
-        inputs, HOPPER_FWD_CONFIGS, windows_and_alibi=True, group=True, bias=True)
+        inputs, HOPPER_FWD_CONFIGS, windows_and_alibi=True, group=True, bias=True, dropout=True)
     if reason is None:
         cfg = HOPPER_FWD_CONFIGS[inputs.head_dim_q]
         if inputs.alibi_slopes is not None and inputs.mask.is_causal and not cfg.causal_alibi:
             return f"ALiBi under a causal mask at head dim {inputs.head_dim_q}"
         if inputs.bias is not None and not cfg.bias:
             return f"elementwise bias at head dim {inputs.head_dim_q}"
+        if inputs.dropout_p > 0 and not cfg.dropout:
+            return f"dropout at head dim {inputs.head_dim_q}"
+        if inputs.dropout_p > 0 and inputs.bias is not None:  # the bias and mask rings overflow shared memory
+            return "an elementwise bias with dropout"
+        if inputs.dropout_p > 0 and inputs.group:  # its consumers spill 1164 B at d=128
+            return "dropout in group mode"
         if inputs.group and (inputs.batch >= 1 << 23 or inputs.nhead_q >= 1 << 20
                              or inputs.max_seqlen_q >= (1 << 20) * 64):
             return "group mode beyond the tile table's fields (2^23 sequences, 2^20 heads or query tiles)"
@@ -247,22 +256,36 @@ def _bias_args(inputs: AttentionInputs, rows: int, block_n: int) -> dict:
     return dict(bias_desc=desc, BIAS=True, bias_step_b=int(stride_b != 0), bias_step_h=int(stride_h != 0))
 
 
+def _dropout_args(inputs: AttentionInputs, philox: torch.Tensor | None, placeholder: torch.Tensor) -> dict:
+    """The dropout arguments; ``placeholder``, any tensor, stands in for ``philox`` without dropout."""
+    from .ops import dropout_threshold
+
+    if inputs.dropout_p == 0:
+        return dict(philox_ptr=placeholder, threshold=0, drop_scale=1.0, DROPOUT=False)
+    if philox is None:
+        raise ValueError("philox: expected the (seed, offset) tensor when dropout_p > 0, got None")
+    return dict(philox_ptr=philox, threshold=dropout_threshold(inputs.dropout_p),
+                drop_scale=1.0 / (1.0 - inputs.dropout_p), DROPOUT=True)
+
+
 def fwd_persistent(inputs: AttentionInputs) -> bool:
     """Whether the fast forward runs persistent CTAs (one per SM, each running query tiles in
     turn) rather than one CTA per tile: for short sequences, where a CTA's fill and drain weigh
     most (``persistent_max_seqlen*`` in the config). Not in group mode (most tiles of the longest
-    sequence's grid are empty there), nor with windows or ALiBi (persistent, they spill 16-128 B)."""
+    sequence's grid are empty there), nor with windows, ALiBi, a bias or dropout (persistent, windows
+    and ALiBi spill 16-128 B; the others were not measured so)."""
     cfg = HOPPER_FWD_CONFIGS[inputs.head_dim_q]
     limit = cfg.persistent_max_seqlen_causal if inputs.mask.is_causal else cfg.persistent_max_seqlen
     plain = inputs.mask.type == MaskType.NONE or inputs.mask.is_causal
-    features = inputs.alibi_slopes is not None or inputs.bias is not None
+    features = inputs.alibi_slopes is not None or inputs.bias is not None or inputs.dropout_p > 0
     return not inputs.group and plain and not features and inputs.max_seqlen_q <= limit
 
 
-def fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
+def fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, philox: torch.Tensor | None = None):
     """The forward's (kernel, grid, kwargs), in order: in group mode the tile table's, then the
     forward's; ``out`` ``[B, S, H, D]`` (group mode ``[T, H, D]``) and ``lse`` ``[B, H, S]``
-    (``[H, T]``) contiguous."""
+    (``[H, T]``) contiguous; ``philox`` the int64 (seed, offset) pair when dropout is on."""
+
     from .kernels.hopper_fwd import ROWS_PER_CONSUMER, attention_fwd_hopper_kernel, hopper_fwd_varlen_schedule
 
     q, k, v = inputs.q, inputs.k, inputs.v
@@ -271,8 +294,10 @@ def fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
     batch, seqlen, nhead, head_dim = inputs.batch, inputs.max_seqlen_q, inputs.nhead_q, inputs.head_dim_q
     lse_strides = (0, lse.stride(0)) if inputs.group else (lse.stride(0), lse.stride(1))
     cfg = HOPPER_FWD_CONFIGS[head_dim]
+    dropout = inputs.dropout_p > 0
+    consumers = 2 if dropout else cfg.consumers  # (see HopperFwdConfig's dropout fields)
     rows = ROWS_PER_CONSUMER.value
-    block_m = rows * cfg.consumers
+    block_m = rows * consumers
     launches = []
     if inputs.group:
         # One CTA per tile of the table: each sequence has at most one ragged tile, so total rows //
@@ -299,10 +324,10 @@ def fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor):
         seqstart_ptr=inputs.seqstart_q if inputs.group else lse, table_ptr=table, seqlen=seqlen, H=nhead,
         kv_group=inputs.nhead_q // inputs.nhead_k, tiles=tiles, qk_scale=inputs.scale * LOG2E,
         stride_os=out.stride(1), stride_oh=out.stride(2), lse_stride_b=lse_strides[0], lse_stride_h=lse_strides[1],
-        BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, STAGES=cfg.stages, NUM_CONSUMERS=cfg.consumers,
-        CONSUMER_REGS=cfg.consumer_regs,
+        BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, STAGES=cfg.stages, NUM_CONSUMERS=consumers,
+        CONSUMER_REGS=cfg.dropout_consumer_regs if dropout else cfg.consumer_regs,
         CAUSAL=inputs.mask.is_causal, GROUP=inputs.group, PERSISTENT=persistent, num_warps=4,
-        maxnreg=cfg.maxnreg, **features,
+        maxnreg=DROPOUT_MAXNREG if dropout else cfg.maxnreg, **features, **_dropout_args(inputs, philox, lse),
     )
     kwargs.update(_bias_args(inputs, rows, cfg.block_n))
     return launches + [(attention_fwd_hopper_kernel, grid, kwargs)]

@@ -124,9 +124,10 @@ def fwd(
     randval = None
     if has_dropout and return_randval:
         randval = torch.zeros(inputs.randval_shape, dtype=torch.uint8, device=device)
-    # (a caller's ``out`` with misaligned strides takes the portable kernel, which writes any layout)
-    if is_kernel_layout(out) and hopper.fwd_unsupported(inputs) is None:
-        for kernel, grid, kwargs in hopper.fwd_launches(inputs, out, lse):
+    # (a caller's ``out`` with misaligned strides takes the portable kernel, which writes any layout;
+    # the fast path does not write the dropout bytes: return_randval takes the portable kernel)
+    if is_kernel_layout(out) and randval is None and hopper.fwd_unsupported(inputs) is None:
+        for kernel, grid, kwargs in hopper.fwd_launches(inputs, out, lse, philox):
             launch(kernel, grid, kwargs)
         return out, lse if return_lse else None, randval
     grid, kwargs = fwd_kernel_args(inputs, out, lse, randval, philox)

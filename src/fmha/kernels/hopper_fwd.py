@@ -15,7 +15,8 @@ q/k/v/out are addressed through 4-D TMA descriptors over ``[B, S, H, D]`` with t
 boxes ``[1, rows, 1, D]``: rows past the sequence are zero-filled on load and clipped on store,
 per batch, so ragged tiles need no bounds but the key mask. K/V heads are ``h // kv_group`` (GQA).
 A sliding window (``WINDOW``) runs only the key tiles of the CTA's band, masked at both edges;
-ALiBi (``ALIBI``) adds its term to the scaled scores.
+ALiBi (``ALIBI``) adds its term to the scaled scores; dropout (``DROPOUT``) zeroes P's dropped
+elements after the row sums (see ``hopper_dropout``).
 """
 
 import triton
@@ -31,6 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .common import LN2, LOG2E
+from .hopper_dropout import dropout_mask_pairs, philox_key_and_base
 
 ROWS_PER_CONSUMER = gl.constexpr(64)  # one m64 wgmma per consumer warpgroup
 
@@ -255,11 +257,28 @@ def _bias_tile(bias_bufs, WG: gl.constexpr, s, s_layout: gl.constexpr, BLOCK_N: 
 
 
 @gluon.jit
+def _drop_p(p_op, mask_bufs, mask_ready, mask_empty, WG: gl.constexpr, it, p_layout: gl.constexpr,
+            STAGES: gl.constexpr, DROPOUT: gl.constexpr):
+    """P as the PV wgmma's operand, the dropped elements of key tile ``it`` (ring position) zeroed:
+    ANDed with the dropout warpgroup's 16-bit mask, all ones where kept. The 1 / (1 - p) rescale
+    waits for the epilogue, since l is the sum before dropout."""
+    if DROPOUT:
+        s = it % STAGES
+        mbarrier.wait(mask_ready.index(s), (it // STAGES) & 1)
+        mask = mask_bufs.index(WG * STAGES + s).load(p_layout)
+        gl.thread_barrier()  # every thread has read the slot before it goes back
+        mbarrier.arrive(mask_empty.index(s))
+        p_op = (p_op.to(gl.int16, bitcast=True) & mask).to(p_op.dtype, bitcast=True)
+    return p_op
+
+
+@gluon.jit
 def _consumer_step(WG: gl.constexpr, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
-                   o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left, right, slope, s_layout: gl.constexpr,
-                   o_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                   ALIBI: gl.constexpr, BIAS: gl.constexpr):
+                   o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready,
+                   mask_empty, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
+                   CAUSAL: gl.constexpr,
+                   WINDOW: gl.constexpr, ALIBI: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr):
     """Key tile j > first: S_j = Q K_j^T beside O += P_{j-1} V_{j-1}, then the softmax of S_j; key
     tile j is at ring position ring0 + j."""
     it = ring0 + j
@@ -282,16 +301,17 @@ def _consumer_step(WG: gl.constexpr, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs
     mbarrier.arrive(v_empty.index(sp))
     o_acc = o_acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = gl.convert_layout(p.to(q_tile.dtype), p_layout)
+    p_op = _drop_p(p_op, mask_bufs, mask_ready, mask_empty, WG, it, p_layout, STAGES, DROPOUT)
     return o_acc, p_op, m_i, l_i
 
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
               k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
-              lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr,
-              PERSISTENT: gl.constexpr, BIAS: gl.constexpr):
+              lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, mask_bufs,
+              mask_ready, mask_empty, drop_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
+              GROUP: gl.constexpr, PERSISTENT: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr):
     if PERSISTENT:
         pid = gl.program_id(0)
         grid = gl.num_programs(0)
@@ -300,23 +320,25 @@ def _consumer(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars
             pos = _consume_tile(WG, t, pos, (t - pid) // grid, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars,
                                 k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr,
                                 table_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b, lse_stride_h,
-                                qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)
+                                qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, mask_bufs, mask_ready,
+                                mask_empty, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI,
+                                GROUP, PERSISTENT, BIAS, DROPOUT)
     else:  # one tile per CTA
         _consume_tile(WG, gl.program_id(0), gl.to_tensor(0), 0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars,
                       k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen,
                       H, tiles, stride_os, stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr,
-                      stride_ab, stride_ah, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP,
-                      PERSISTENT, BIAS)
+                      stride_ab, stride_ah, mask_bufs, mask_ready, mask_empty, drop_scale, BLOCK_M, BLOCK_N,
+                      HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)
 
 
 @gluon.jit
 def _consume_tile(WG: gl.constexpr, t, pos, done, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs,
                   bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os,
                   stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr,
-                  PERSISTENT: gl.constexpr, BIAS: gl.constexpr):
+                  mask_bufs, mask_ready, mask_empty, drop_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                  ALIBI: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr, BIAS: gl.constexpr,
+                  DROPOUT: gl.constexpr):
     """Tile t, the CTA's tile number ``done``, its key tiles from ring position ``pos``; returns
     the position after them."""
     b, h, m0 = _tile(t, seqlen, H, tiles, table_ptr, BLOCK_M, CAUSAL, PERSISTENT, GROUP)
@@ -325,17 +347,18 @@ def _consume_tile(WG: gl.constexpr, t, pos, done, q_desc, o_desc, out_ptr, lse_p
         pos = _consumer_tile(WG, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                              k_empty, v_ready, v_empty, pos, done, b, h, m0, bd, row_base, seqlen_b, stride_os,
                              stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab,
-                             stride_ah, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, BIAS)
+                             stride_ah, mask_bufs, mask_ready, mask_empty, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
+                             STAGES, CAUSAL, WINDOW, ALIBI, GROUP, BIAS, DROPOUT)
     return pos
 
 
 @gluon.jit
 def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs,
-                   k_ready, k_empty, v_ready, v_empty, pos, done, b, h, m0, bd, row_base, seqlen, stride_os, stride_oh,
-                   lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr,
-                   BIAS: gl.constexpr):
+                   k_ready, k_empty, v_ready, v_empty, pos, done, b, h, m0, bd, row_base, seqlen, stride_os,
+                   stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
+                   mask_bufs, mask_ready, mask_empty, drop_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                   ALIBI: gl.constexpr, GROUP: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr):
     """Warpgroup WG's 64 query rows of one tile; rows, keys and seqlen are the sequence's. Its first
     key tile is at ring position ``pos``, and ``done`` tiles came before it; returns the position
     after its last key tile."""
@@ -378,6 +401,7 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
     p, m_i, l_i, alpha = _softmax_update(qk, bias, m_i, l_i, first * BLOCK_N, rows, seqlen, qk_scale, left, right,
                                          slope, s_layout, BLOCK_N, True, CAUSAL, WINDOW, ALIBI, BIAS)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
+    p_op = _drop_p(p_op, mask_bufs, mask_ready, mask_empty, WG, pos, p_layout, STAGES, DROPOUT)
     o_acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
     # Masked tiles before the unmasked interior (a window's left edge), the interior, masked after.
@@ -387,18 +411,21 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
         for j in range(first + 1, lo):
             o_acc, p_op, m_i, l_i = _consumer_step(WG, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty,
                                                    v_ready, v_empty, o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale,
-                                                   left, right, slope, s_layout, o_layout, p_layout, BLOCK_N,
-                                                   HEAD_DIM, STAGES, True, CAUSAL, WINDOW, ALIBI, BIAS)
+                                                   left, right, slope, mask_bufs, mask_ready, mask_empty, s_layout,
+                                                   o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, True, CAUSAL, WINDOW,
+                                                   ALIBI, BIAS, DROPOUT)
     for j in range(lo, hi):
         o_acc, p_op, m_i, l_i = _consumer_step(WG, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty,
                                                v_ready, v_empty, o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left,
-                                               right, slope, s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES,
-                                               False, CAUSAL, WINDOW, ALIBI, BIAS)
+                                               right, slope, mask_bufs, mask_ready, mask_empty, s_layout, o_layout,
+                                               p_layout, BLOCK_N, HEAD_DIM, STAGES, False, CAUSAL, WINDOW, ALIBI, BIAS,
+                                               DROPOUT)
     for j in range(hi, end):
         o_acc, p_op, m_i, l_i = _consumer_step(WG, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty,
                                                v_ready, v_empty, o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left,
-                                               right, slope, s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES,
-                                               True, CAUSAL, WINDOW, ALIBI, BIAS)
+                                               right, slope, mask_bufs, mask_ready, mask_empty, s_layout, o_layout,
+                                               p_layout, BLOCK_N, HEAD_DIM, STAGES, True, CAUSAL, WINDOW, ALIBI, BIAS,
+                                               DROPOUT)
 
     jl = ring0 + end - 1
     sl = jl % STAGES
@@ -413,6 +440,8 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
     inv_l = 1.0 / l_i
     if BIAS:  # a row whose bias hides every key: O = 0 (and LSE = -inf)
         inv_l = gl.where(l_i == 0.0, 0.0, inv_l)
+    if DROPOUT:
+        inv_l = inv_l * drop_scale
     o_acc = o_acc * gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))[:, None]
     lse = (m_i + gl.log2(l_i)) * LN2
     lse_rows = lse_ptr + b.to(gl.int64) * lse_stride_b + h.to(gl.int64) * lse_stride_h + row_base
@@ -430,21 +459,70 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
     return ring0 + end
 
 
+@gluon.jit
+def _dropper(philox_ptr, threshold, mask_bufs, mask_ready, mask_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, left,
+             right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+             WINDOW: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The dropout warpgroup: CK's dropout mask of every key tile the consumers run, in their ring
+    order, into the mask ring. Its Philox work would crowd the consumers' registers (200-3000 B of
+    spills there) and their issue slots."""
+    if PERSISTENT:
+        pos = 0
+        for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
+            pos = _drop_tile(t, pos, philox_ptr, threshold, mask_bufs, mask_ready, mask_empty, seqstart_ptr,
+                             table_ptr, seqlen, H, tiles, left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP,
+                             PERSISTENT)
+    else:
+        _drop_tile(gl.program_id(0), gl.to_tensor(0), philox_ptr, threshold, mask_bufs, mask_ready, mask_empty,
+                   seqstart_ptr, table_ptr, seqlen, H, tiles, left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW,
+                   GROUP, PERSISTENT)
+
+
+@gluon.jit
+def _drop_tile(t, pos, philox_ptr, threshold, mask_bufs, mask_ready, mask_empty, seqstart_ptr, table_ptr, seqlen, H,
+               tiles, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The masks of tile t's key tiles from ring position ``pos``, one 64-row mask per consumer
+    (16-bit, all ones where kept) in slot ``wg * STAGES + s``; returns the position after them.
+    They are written two columns a word, through a uint32 view of the slot: its rows are as many
+    bytes, swizzled alike."""
+    pair_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS_PER_CONSUMER, BLOCK_N // 2], gl.uint32)
+    b, h, m0 = _tile(t, seqlen, H, tiles, table_ptr, BLOCK_M, CAUSAL, PERSISTENT, GROUP)
+    _, _, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
+    if m0 < seqlen_b:
+        first, _, _, end = _key_tiles(m0, seqlen_b, left, right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+        key_lo, key_hi, base_lo, base_hi = philox_key_and_base(philox_ptr, b * H + h)
+        for it in range(end - first):
+            u = pos + it
+            s = u % STAGES
+            mbarrier.wait(mask_empty.index(s), ((u // STAGES) & 1) ^ 1)
+            for wg in gl.static_range(BLOCK_M // ROWS_PER_CONSUMER):
+                masks = dropout_mask_pairs(key_lo, key_hi, base_lo, base_hi, m0 + wg * ROWS_PER_CONSUMER,
+                                           (first + it) * BLOCK_N, threshold, BLOCK_N)
+                mask_bufs.index(wg * STAGES + s)._reinterpret(gl.uint32, [ROWS_PER_CONSUMER, BLOCK_N // 2],
+                                                              pair_layout).store(masks)
+            gl.thread_barrier()  # every thread's stores are in before the slot is handed over
+            mbarrier.arrive(mask_ready.index(s))
+        pos += end - first
+    return pos
+
+
 # Lengths, head counts and window sizes are not specialized: one compile serves every shape of a
 # config. WINDOW: a sliding window of ``left`` keys back and ``right`` ahead (unbounded sides come
 # as 2 * seqlen); ALIBI: 0 none, 1 -slope * |i - j|, 2 slope * j (causal), slopes [B?, H] strided;
 # BIAS: an elementwise bias through ``bias_desc`` over ``[B or 1, H or 1, S, S]`` (coordinates b *
 # bias_step_b, h * bias_step_h: 0 for a broadcast dim), else ``bias_desc`` stands in as k_desc.
 @gluon.jit(do_not_specialize=["seqlen", "H", "kv_group", "tiles", "left", "right", "stride_ab", "stride_ah",
-                              "stride_os", "stride_oh", "lse_stride_b", "lse_stride_h", "bias_step_b", "bias_step_h"])
+                              "stride_os", "stride_oh", "lse_stride_b", "lse_stride_h", "bias_step_b", "bias_step_h",
+                              "threshold"])
 def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, out_ptr, lse_ptr, alibi_ptr, seqstart_ptr,
-                                table_ptr, seqlen, H, kv_group, tiles, qk_scale, left, right, stride_ab, stride_ah,
-                                stride_os, stride_oh, lse_stride_b, lse_stride_h, bias_step_b, bias_step_h,
-                                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                                NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr,
-                                WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr,
-                                PERSISTENT: gl.constexpr, BIAS: gl.constexpr):
-    gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3)
+                                table_ptr, philox_ptr, seqlen, H, kv_group, tiles, qk_scale, left, right, stride_ab,
+                                stride_ah, stride_os, stride_oh, lse_stride_b, lse_stride_h, bias_step_b, bias_step_h,
+                                threshold, drop_scale, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                                STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr,
+                                PERSISTENT: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr):
+    gl.static_assert(NUM_CONSUMERS == 2 or (NUM_CONSUMERS == 3 and not DROPOUT))
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * NUM_CONSUMERS
     dtype: gl.constexpr = q_desc.dtype
 
@@ -468,21 +546,54 @@ def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, out_p
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
         mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
+    if DROPOUT:  # slot wg * STAGES + s: consumer wg's mask for K's slot s
+        mask_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS_PER_CONSUMER, BLOCK_N], gl.int16)
+        mask_bufs = gl.allocate_shared_memory(gl.int16, [NUM_CONSUMERS * STAGES, ROWS_PER_CONSUMER, BLOCK_N],
+                                              mask_layout)
+        mask_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mask_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(mask_ready.index(i), count=1)
+            mbarrier.init(mask_empty.index(i), count=NUM_CONSUMERS)
+    else:  # never read
+        mask_bufs = k_bufs
+        mask_ready = k_ready
+        mask_empty = k_empty
 
     # Each consumer warpgroup is a partition of its own (the first argument is its index), so it
     # gets its own named barrier and one warpgroup's mbarrier arrive never waits on another. The
     # argument tuples stay inline: a tuple assigned to a local first turns its constexprs into
     # tensors, which then cannot build layouts.
-    if NUM_CONSUMERS == 2:
+    if DROPOUT:  # the dropout warpgroup is the default partition: ptxas holds that one to maxnreg
+        gl.warp_specialize([
+            (_dropper, (philox_ptr, threshold, mask_bufs, mask_ready, mask_empty, seqstart_ptr, table_ptr, seqlen, H,
+                        tiles, left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT)),
+            (_consumer, (0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
+                          k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
+                          lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
+                          mask_bufs, mask_ready, mask_empty, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
+            (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
+                          k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
+                          lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
+                          mask_bufs, mask_ready, mask_empty, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
+            (_producer, (k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
+                         seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right,
+                         BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT, BIAS)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+    elif NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
-                          lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M,
-                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
+                          lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
+                          mask_bufs, mask_ready, mask_empty, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
             (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
-                          lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M,
-                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
+                          lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
+                          mask_bufs, mask_ready, mask_empty, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
             (_producer, (k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
                          seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right,
                          BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT, BIAS)),
@@ -491,16 +602,19 @@ def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, out_p
         gl.warp_specialize([
             (_consumer, (0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
-                          lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M,
-                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
+                          lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
+                          mask_bufs, mask_ready, mask_empty, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
             (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
-                          lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M,
-                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
+                          lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
+                          mask_bufs, mask_ready, mask_empty, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
             (_consumer, (2, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
-                          lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, BLOCK_M,
-                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS)),
+                          lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
+                          mask_bufs, mask_ready, mask_empty, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
             (_producer, (k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
                          seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right,
                          BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT, BIAS)),

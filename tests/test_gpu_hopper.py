@@ -69,6 +69,22 @@ def _reference(q, k, v, dout, kwargs, dtype):
     return result.out, result.lse, grads
 
 
+def _assert_matches_reference(q, k, v, dout, kwargs):
+    """fmha's forward (out, LSE) and gradients against the fp32 reference, within the error of the
+    reference run in q's dtype."""
+    dtype = q.dtype
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    result = fmha.fwd(*leaves, **kwargs, return_lse=True)
+    grads = torch.autograd.grad(fmha.attention(*leaves, **kwargs), leaves, dout)
+
+    exact_out, exact_lse, exact_grads = _reference(q, k, v, dout, kwargs, torch.float32)
+    low_out, _, low_grads = _reference(q, k, v, dout, kwargs, dtype)
+    assert max_error(result.out, exact_out) <= error_bound(dtype, max_error(low_out, exact_out))
+    assert max_error(result.lse, exact_lse) <= 2e-3
+    for name, got, exact, low in zip("qkv", grads, exact_grads, low_grads):
+        assert max_error(got, exact) <= error_bound(dtype, max_error(low, exact)), f"d{name}"
+
+
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_fast_path_takes_these_problems(case):
     q, k, v, _, kwargs = _problem(case)
@@ -150,16 +166,7 @@ def test_forward_with_window_or_alibi_against_reference(case):
     if alibi:
         kwargs["alibi_slopes"] = fmha.alibi_slopes(nhead, device="cuda")
     assert hopper.fwd_unsupported(check_inputs(q, k, v, **kwargs)) is None
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    result = fmha.fwd(*leaves, **kwargs, return_lse=True)
-    grads = torch.autograd.grad(fmha.attention(*leaves, **kwargs), leaves, dout)
-
-    exact_out, exact_lse, exact_grads = _reference(q, k, v, dout, kwargs, torch.float32)
-    low_out, _, low_grads = _reference(q, k, v, dout, kwargs, dtype)
-    assert max_error(result.out, exact_out) <= error_bound(dtype, max_error(low_out, exact_out))
-    assert max_error(result.lse, exact_lse) <= 2e-3
-    for name, got, exact, low in zip("qkv", grads, exact_grads, low_grads):
-        assert max_error(got, exact) <= error_bound(dtype, max_error(low, exact)), f"d{name}"
+    _assert_matches_reference(q, k, v, dout, kwargs)
 
 
 # The forward with an elementwise bias (through the K ring by TMA; the backward then runs the
@@ -350,13 +357,4 @@ def test_forward_with_dropout_against_reference(case):
     if alibi:
         kwargs["alibi_slopes"] = fmha.alibi_slopes(nhead, device="cuda")
     assert hopper.fwd_unsupported(check_inputs(q, k, v, **kwargs)) is None
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    result = fmha.fwd(*leaves, **kwargs, return_lse=True)
-    grads = torch.autograd.grad(fmha.attention(*leaves, **kwargs), leaves, dout)
-
-    exact_out, exact_lse, exact_grads = _reference(q, k, v, dout, kwargs, torch.float32)
-    low_out, _, low_grads = _reference(q, k, v, dout, kwargs, dtype)
-    assert max_error(result.out, exact_out) <= error_bound(dtype, max_error(low_out, exact_out))
-    assert max_error(result.lse, exact_lse) <= 2e-3
-    for name, got, exact, low in zip("qkv", grads, exact_grads, low_grads):
-        assert max_error(got, exact) <= error_bound(dtype, max_error(low, exact)), f"d{name}"
+    _assert_matches_reference(q, k, v, dout, kwargs)

@@ -100,6 +100,27 @@ def test_group_mode_needs_both_seqstarts_and_3d_tensors():
                  seqstart_k=STARTS_K)
 
 
+def test_an_index_tensor_is_read_once_per_version(monkeypatch):
+    """Reading a CUDA index tensor waits for the GPU: the same tensor, unchanged, is not read again,
+    and an in-place write (which bumps its version) is seen at the next call."""
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t) or tolist(t))
+    starts = torch.tensor([0, 3, 7], dtype=torch.int32)
+    first = fmha.inputs.check_inputs(P_Q, P_K, P_V, seqstart_q=starts, seqstart_k=starts)
+    again = fmha.inputs.check_inputs(P_Q, P_K, P_V, seqstart_q=starts, seqstart_k=starts)
+    assert len(reads) == 1 and (first.max_seqlen_q, first.lse_rows) == (again.max_seqlen_q, again.lse_rows) == (4, 7)
+    starts[1] = 5  # lengths 5 and 2
+    assert fmha.inputs.check_inputs(P_Q, P_K, P_V, seqstart_q=starts, seqstart_k=starts).max_seqlen_q == 5
+    starts[2] = 4  # a negative length
+    expect_error(r"^seqstart_q: expected non-decreasing prefix sums", fmha.inputs.check_inputs, P_Q, P_K, P_V,
+                 seqstart_q=starts, seqstart_k=starts)
+    assert len(reads) == 3
+    copy = starts.clone()  # another tensor with the same values is read for itself
+    expect_error(r"^seqstart_q", fmha.inputs.check_inputs, P_Q, P_K, P_V, seqstart_q=copy, seqstart_k=copy)
+    assert len(reads) == 4
+
+
 def test_errors_come_before_any_kernel(monkeypatch):
     """Validation happens first: a bad argument never reaches the launcher."""
     from fmha import ops

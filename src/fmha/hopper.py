@@ -258,12 +258,10 @@ def _bias_args(inputs: AttentionInputs, rows: int, block_n: int) -> dict:
 
 def _dropout_args(inputs: AttentionInputs, philox: torch.Tensor | None, placeholder: torch.Tensor) -> dict:
     """The dropout arguments; ``placeholder``, any tensor, stands in for ``philox`` without dropout."""
-    from .ops import dropout_threshold
+    from .ops import checked_philox, dropout_threshold
 
-    if inputs.dropout_p == 0:
+    if checked_philox(inputs, philox) is None:
         return dict(philox_ptr=placeholder, threshold=0, drop_scale=1.0, DROPOUT=False)
-    if philox is None:
-        raise ValueError("philox: expected the (seed, offset) tensor when dropout_p > 0, got None")
     return dict(philox_ptr=philox, threshold=dropout_threshold(inputs.dropout_p),
                 drop_scale=1.0 / (1.0 - inputs.dropout_p), DROPOUT=True)
 

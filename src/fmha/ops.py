@@ -136,6 +136,15 @@ def fwd(
     return out, lse if return_lse else None, randval
 
 
+def checked_philox(inputs: AttentionInputs, philox: torch.Tensor | None) -> torch.Tensor | None:
+    """``philox`` when dropout is on (it must be given then), else None."""
+    if inputs.dropout_p == 0:
+        return None
+    if philox is None:
+        raise ValueError("philox: expected the (seed, offset) tensor when dropout_p > 0, got None")
+    return philox
+
+
 def _problem_args(inputs: AttentionInputs, philox: torch.Tensor | None) -> dict:
     """Kernel arguments every phase shares: sequences, strides of q/k/v/bias, mask, ALiBi, dropout."""
     q, k, v = inputs.q, inputs.k, inputs.v
@@ -149,11 +158,9 @@ def _problem_args(inputs: AttentionInputs, philox: torch.Tensor | None) -> dict:
     mask = inputs.mask
     has_dropout = inputs.dropout_p > 0
     log2_scores = q.dtype in (torch.float16, torch.bfloat16)
-    if has_dropout and philox is None:
-        raise ValueError("philox: expected the (seed, offset) tensor when dropout_p > 0, got None")
     return dict(
         Q=q, K=k, V=v, Bias=bias, AlibiSlopes=alibi,
-        PhiloxSeedOffset=philox if has_dropout else None,
+        PhiloxSeedOffset=checked_philox(inputs, philox),
         SeqstartQ=inputs.seqstart_q, SeqstartK=inputs.seqstart_k, SeqlenK=inputs.seqlen_k,
         SeqstartPaddedQ=inputs.seqstart_padded_q, SeqstartPaddedK=inputs.seqstart_padded_k,
         CuSeqlenQ=inputs.cu_seqlen_q, CuSeqlenK=inputs.cu_seqlen_k,

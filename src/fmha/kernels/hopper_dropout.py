@@ -92,33 +92,26 @@ def dropout_mask_pairs(key_lo, key_hi, base_lo, base_hi, row0, col0, threshold, 
     zero = gl.zeros([2, 2, COLS // 2, 2], gl.uint32, by_call)
     w0, w1, w2, w3 = _philox(ctr_lo + zero, ctr_hi + zero, row_tile + zero, col_tile + zero, key_lo, key_hi)
     t = threshold.to(gl.uint32) * 0x01010101
-    e0, o0 = gl.split(_byte_le(w0, t))
-    e1, o1 = gl.split(_byte_le(w1, t))
-    e2, o2 = gl.split(_byte_le(w2, t))
-    e3, o3 = gl.split(_byte_le(w3, t))
-    e0 = gl.convert_layout(e0, pairs)
-    o0 = gl.convert_layout(o0, pairs)
-    e1 = gl.convert_layout(e1, pairs)
-    o1 = gl.convert_layout(o1, pairs)
-    e2 = gl.convert_layout(e2, pairs)
-    o2 = gl.convert_layout(o2, pairs)
-    e3 = gl.convert_layout(e3, pairs)
-    o3 = gl.convert_layout(o3, pairs)
     c = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, calls)))))
     e = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, calls)))))
     c = c[None, :, None, None, None]
     e = e[None, None, None, :, None]
     out = gl.zeros([2, 2, 2, 8, COLS // 2], gl.uint32, calls)
-    for k in gl.static_range(4):  # word k holds rows c = k // 2, e = 4 * (k % 2) + byte
-        if k == 0:
-            lo, hi = e0, o0
-        elif k == 1:
-            lo, hi = e1, o1
-        elif k == 2:
-            lo, hi = e2, o2
-        else:
-            lo, hi = e3, o3
-        for byte in gl.static_range(4):
-            word = gl.expand_dims(gl.expand_dims(_pair(lo, hi, byte), 1), 3)
-            out = gl.where((c == k // 2) & (e == 4 * (k % 2) + byte), word, out)
+    out = _place_word(out, w0, t, 0, c, e, pairs)
+    out = _place_word(out, w1, t, 1, c, e, pairs)
+    out = _place_word(out, w2, t, 2, c, e, pairs)
+    out = _place_word(out, w3, t, 3, c, e, pairs)
     return gl.reshape(out, [64, COLS // 2])
+
+
+@gluon.jit
+def _place_word(out, word, threshold_bytes, K: gl.constexpr, c, e, pairs: gl.constexpr):
+    """``out`` ``[row tile, c, a, e, column pair]`` with the masks of each call's word K, which
+    holds rows c = K // 2, e = 4 * (K % 2) + byte."""
+    lo, hi = gl.split(_byte_le(word, threshold_bytes))  # even and odd columns
+    lo = gl.convert_layout(lo, pairs)
+    hi = gl.convert_layout(hi, pairs)
+    for byte in gl.static_range(4):
+        masks = gl.expand_dims(gl.expand_dims(_pair(lo, hi, byte), 1), 3)
+        out = gl.where((c == K // 2) & (e == 4 * (K % 2) + byte), masks, out)
+    return out

@@ -312,6 +312,8 @@ DROPOUT_BYTE_CASES = [
     (2, 128, None, torch.bfloat16, 0.3),
     (2, 128, "t", torch.float16, 0.7),
     (3, 128, "b:40,7", torch.bfloat16, 0.1),
+    (2, 256, "t", torch.bfloat16, 0.3),
+    (2, 64, None, torch.float16, 0.2),
 ]
 
 
@@ -344,6 +346,10 @@ DROPOUT_CASES = [
     (1, 1500, 4, 2, 128, "t", False, torch.float16),
     (2, 700, 2, 2, 128, "b", True, torch.bfloat16),
     (1, 1000, 4, 4, 128, "b:100,0", True, torch.bfloat16),
+    (2, 700, 2, 2, 256, "b", False, torch.bfloat16),
+    (1, 900, 2, 2, 256, "b:100,0", False, torch.float16),
+    (2, 2100, 3, 1, 64, None, False, torch.bfloat16),
+    (1, 1000, 4, 4, 64, "t", False, torch.bfloat16),
 ]
 
 

@@ -56,7 +56,7 @@ def test_causal_alibi_at_d64_is_left_to_the_portable_forward(monkeypatch):
     assert hopper.fwd_unsupported(check_inputs(q, q, q, alibi_slopes=slopes)) is None
 
 
-def test_the_forward_takes_dropout_at_d128_alone(monkeypatch):
+def test_the_forward_takes_dropout_in_batch_mode_without_a_bias(monkeypatch):
     _on_cuda(monkeypatch)
     q = torch.empty(1, 4096, 2, 128, dtype=torch.bfloat16)
     windowed = check_inputs(q, q, q, dropout_p=0.1, mask="b:100,0", alibi_slopes=torch.ones(2))
@@ -69,7 +69,9 @@ def test_the_forward_takes_dropout_at_d128_alone(monkeypatch):
     assert hopper.fwd_unsupported(check_inputs(packed, packed, packed, seqstart_q=starts, seqstart_k=starts,
                                                dropout_p=0.1)) == "dropout in group mode"
     q256 = torch.empty(1, 4096, 2, 256, dtype=torch.bfloat16)
-    assert hopper.fwd_unsupported(check_inputs(q256, q256, q256, dropout_p=0.1)) == "dropout at head dim 256"
+    assert hopper.fwd_unsupported(check_inputs(q256, q256, q256, dropout_p=0.1)) is None
+    assert hopper.fwd_unsupported(check_inputs(q256, q256, q256, dropout_p=0.1, alibi_slopes=torch.ones(2))) == \
+        "ALiBi with dropout at head dim 256"
 
 
 def test_group_mode_takes_the_fast_path_when_queries_and_keys_share_their_sequences():

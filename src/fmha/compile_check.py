@@ -163,7 +163,7 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
     the config has both) and the backward's three kernels where
     the head dim has a backward config; the forward and the backward's main kernel also with ALiBi
     (and without a causal mask a sliding window with ALiBi) where they take it, and in group mode;
-    the forward with a bias, and with dropout (alone and with ALiBi), where its config takes them."""
+    the forward with a bias, and with dropout (alone, and with ALiBi), where its config takes them."""
     prefix = _hopper_name(dtype, head_dim, causal)
     q = torch.empty(2, 1000, 4, head_dim, dtype=dtype)  # a ragged length: nothing specializes on it
     k, v = torch.empty_like(q), torch.empty_like(q)
@@ -189,13 +189,14 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
     packed = torch.empty(1000, 4, head_dim, dtype=dtype)  # group mode: two sequences, one seqstart
     starts = torch.tensor([0, 400, 1000], dtype=torch.int32)
     grouped = check_inputs(packed, packed, packed, seqstart_q=starts, seqstart_k=starts, mask="t" if causal else None)
-    if HOPPER_FWD_CONFIGS[head_dim].dropout:  # alone, and with ALiBi (and a window)
-        philox = torch.zeros(2, dtype=torch.int64)
-        for name, dropped in (("dropout", check_inputs(q, k, v, mask="t" if causal else None, dropout_p=0.1)),
-                              (f"{alibi} dropout", check_inputs(q, k, v, mask="t" if causal else "b:100,0",
-                                                                alibi_slopes=torch.ones(4), dropout_p=0.1))):
-            kernel, grid, kwargs = hopper.fwd_launches(dropped, out, lse, philox)[-1]
-            results.append(_compile(f"{prefix} fwd {name}", kernel, grid, kwargs))
+    dropped = [("dropout", check_inputs(q, k, v, mask="t" if causal else None, dropout_p=0.1))]
+    cfg = HOPPER_FWD_CONFIGS[head_dim]
+    if cfg.dropout_alibi and (cfg.causal_alibi or not causal):  # with ALiBi (and a window)
+        dropped.append((f"{alibi} dropout", check_inputs(q, k, v, mask="t" if causal else "b:100,0",
+                                                         alibi_slopes=torch.ones(4), dropout_p=0.1)))
+    for name, problem in dropped:
+        kernel, grid, kwargs = hopper.fwd_launches(problem, out, lse, torch.zeros(2, dtype=torch.int64))[-1]
+        results.append(_compile(f"{prefix} fwd {name}", kernel, grid, kwargs))
     (table, table_grid, table_kwargs), (kernel, grid, kwargs) = hopper.fwd_launches(
         grouped, torch.empty_like(packed), torch.empty(grouped.lse_shape, dtype=torch.float32))
     results.append(_compile(f"{prefix} fwd group {table.__name__}", table, table_grid, table_kwargs))

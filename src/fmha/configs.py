@@ -151,12 +151,11 @@ class HopperFwdConfig:
     persistent_max_seqlen: int = 0
     persistent_max_seqlen_causal: int = 0
     bias: bool = False  # an elementwise bias tile through the K ring (its shared memory must fit)
-    # Dropout (``dropout``) runs two consumers of ``dropout_consumer_regs`` beside a warpgroup that makes the
-    # masks (the default partition). Triton pads the producer warp to a warpgroup: 16 warps, so the
-    # launch takes 128 registers a thread, and the mask warpgroup gets what the others leave of 64K:
-    # 488 - 2 * dropout_consumer_regs.
-    dropout: bool = False
-    dropout_consumer_regs: int = 208
+    # Dropout runs two consumers of ``dropout_consumer_regs`` beside a warpgroup that
+    # streams K/V and makes the masks (the default partition): 12 warps at 168 registers a thread,
+    # of which that warpgroup gets what the consumers leave of 64K, 504 - 2 * dropout_consumer_regs.
+    dropout_consumer_regs: int = 216
+    dropout_alibi: bool = True  # ALiBi with dropout on the fast path
 
 
 # head dim -> config (fp16 and bf16 alike); all compile for sm_90a without spills.
@@ -174,9 +173,11 @@ HOPPER_FWD_CONFIGS: dict[int, HopperFwdConfig] = {
     # 623 TFLOP/s at s=16k (bf16). Persistent: 1k 1.24 (591 against 477), 4k 1.01, 16k 1.00; causal
     # 1k 1.06, 4k 0.91, 16k 0.88 (static turns balance causal tiles worse than the hardware's dispatch).
     128: HopperFwdConfig(128, 2, 2, 240, 168, persistent_max_seqlen=2048, persistent_max_seqlen_causal=1024,
-                         bias=True, dropout=True),
+                         bias=True),
     # 718 at s=16k. Persistent: 1k 1.09, 4k 0.98, 16k 0.97; causal 1k 0.86, 4k 0.93, 16k 0.86.
-    256: HopperFwdConfig(64, 2, 2, 240, 168, persistent_max_seqlen=2048, bias=True),
+    # With dropout and a window 216 consumer registers spill 12 B, 224 none; with ALiBi too 56 B.
+    256: HopperFwdConfig(64, 2, 2, 240, 168, persistent_max_seqlen=2048, bias=True, dropout_consumer_regs=224,
+                         dropout_alibi=False),
 }
 
 

@@ -28,8 +28,8 @@ LOG2E = 1.4426950408889634
 GLUON_TRITON = "3.6."
 CONVERT_BLOCK = 4096
 SCHEDULE_CHUNK = 1024  # sequences (and table entries) per step of the group-mode tile table
-# The forward with dropout runs 16 warps (see HopperFwdConfig.dropout_consumer_regs): 64K / 512 threads.
-DROPOUT_MAXNREG = 128
+# The forward with dropout runs 12 warps (see HopperFwdConfig.dropout_consumer_regs).
+DROPOUT_MAXNREG = 168
 
 
 def device_unsupported(device: torch.device) -> str | None:
@@ -135,8 +135,8 @@ def fwd_unsupported(inputs: AttentionInputs) -> str | None:
             return f"ALiBi under a causal mask at head dim {inputs.head_dim_q}"
         if inputs.bias is not None and not cfg.bias:
             return f"elementwise bias at head dim {inputs.head_dim_q}"
-        if inputs.dropout_p > 0 and not cfg.dropout:
-            return f"dropout at head dim {inputs.head_dim_q}"
+        if inputs.dropout_p > 0 and inputs.alibi_slopes is not None and not cfg.dropout_alibi:
+            return f"ALiBi with dropout at head dim {inputs.head_dim_q}"
         if inputs.dropout_p > 0 and inputs.bias is not None:  # the bias and mask rings overflow shared memory
             return "an elementwise bias with dropout"
         if inputs.dropout_p > 0 and inputs.group:  # its consumers spill 1164 B at d=128

@@ -169,36 +169,49 @@ def _produce_tile(t, pos, k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, 
                   seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                   WINDOW: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr, BIAS: gl.constexpr):
-    """K/V of tile t into the rings from ring position ``pos``; returns the position after them. A
-    bias comes with K, one 64-row box per consumer warpgroup on K's barrier: the consumers read
-    it before they release the K slot."""
+    """K/V (and a bias) of tile t into the rings from ring position ``pos``; returns the position
+    after them."""
     b, h, m0 = _tile(t, seqlen, H, tiles, table_ptr, BLOCK_M, CAUSAL, PERSISTENT, GROUP)
     bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
     if m0 < seqlen_b:  # group mode: the tiles cover the longest sequence
         first, _, _, end = _key_tiles(m0, seqlen_b, left, right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-        h_kv = h // kv_group
         for it in range(end - first):
-            u = pos + it
-            s = u % STAGES
-            # Use u // STAGES of slot s waits for the consumers' release of the use before; a fresh
-            # mbarrier counts as having completed the phase before its first, so use 0 passes at once.
-            ph = ((u // STAGES) & 1) ^ 1
             n0 = row_base + (first + it) * BLOCK_N
-            mbarrier.wait(k_empty.index(s), ph)
-            if BIAS:
-                consumers: gl.constexpr = BLOCK_M // 64
-                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes + consumers * bias_desc.block_type.nbytes)
-                for wg in gl.static_range(consumers):
-                    tma.async_copy_global_to_shared(bias_desc, [b * bias_step_b, h * bias_step_h, m0 + wg * 64, n0],
-                                                    k_ready.index(s), bias_bufs.index(wg * STAGES + s))
-            else:
-                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [bd, n0, h_kv, 0], k_ready.index(s), k_bufs.index(s))
-            mbarrier.wait(v_empty.index(s), ph)
-            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [bd, n0, h_kv, 0], v_ready.index(s), v_bufs.index(s))
+            _load_k_tile(pos + it, b, h, m0, bd, n0, h // kv_group, k_desc, bias_desc, k_bufs, bias_bufs, k_ready,
+                         k_empty, bias_step_b, bias_step_h, BLOCK_M, STAGES, BIAS)
+            _load_v_tile(pos + it, bd, n0, h // kv_group, v_desc, v_bufs, v_ready, v_empty, STAGES)
         pos += end - first
     return pos
+
+
+@gluon.jit
+def _load_k_tile(u, b, h, m0, bd, n0, h_kv, k_desc, bias_desc, k_bufs, bias_bufs, k_ready, k_empty, bias_step_b,
+                 bias_step_h, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, BIAS: gl.constexpr):
+    """K rows n0.. (the key tile at ring position u) into slot u % STAGES of K's ring. A bias comes
+    with K, one 64-row box per consumer warpgroup on K's barrier: the consumers read it before they
+    release the K slot."""
+    s = u % STAGES
+    # Use u // STAGES of slot s waits for the consumers' release of the use before; a fresh
+    # mbarrier counts as having completed the phase before its first, so use 0 passes at once.
+    mbarrier.wait(k_empty.index(s), ((u // STAGES) & 1) ^ 1)
+    if BIAS:
+        consumers: gl.constexpr = BLOCK_M // 64
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes + consumers * bias_desc.block_type.nbytes)
+        for wg in gl.static_range(consumers):
+            tma.async_copy_global_to_shared(bias_desc, [b * bias_step_b, h * bias_step_h, m0 + wg * 64, n0],
+                                            k_ready.index(s), bias_bufs.index(wg * STAGES + s))
+    else:
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [bd, n0, h_kv, 0], k_ready.index(s), k_bufs.index(s))
+
+
+@gluon.jit
+def _load_v_tile(u, bd, n0, h_kv, v_desc, v_bufs, v_ready, v_empty, STAGES: gl.constexpr):
+    """V rows n0.. (the key tile at ring position u) into slot u % STAGES of V's ring."""
+    s = u % STAGES
+    mbarrier.wait(v_empty.index(s), ((u // STAGES) & 1) ^ 1)
+    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(v_desc, [bd, n0, h_kv, 0], v_ready.index(s), v_bufs.index(s))
 
 
 @gluon.jit
@@ -257,7 +270,7 @@ def _bias_tile(bias_bufs, WG: gl.constexpr, s, s_layout: gl.constexpr, BLOCK_N: 
 
 
 @gluon.jit
-def _drop_p(p_op, mask_bufs, mask_ready, mask_empty, WG: gl.constexpr, it, p_layout: gl.constexpr,
+def _drop_p(p_op, mask_bufs, mask_ready, WG: gl.constexpr, it, p_layout: gl.constexpr,
             STAGES: gl.constexpr, DROPOUT: gl.constexpr):
     """P as the PV wgmma's operand, the dropped elements of key tile ``it`` (ring position) zeroed:
     ANDed with the dropout warpgroup's 16-bit mask, all ones where kept. The 1 / (1 - p) rescale
@@ -265,9 +278,9 @@ def _drop_p(p_op, mask_bufs, mask_ready, mask_empty, WG: gl.constexpr, it, p_lay
     if DROPOUT:
         s = it % STAGES
         mbarrier.wait(mask_ready.index(s), (it // STAGES) & 1)
+        # (no release: the slot is written again after V's slot of this tile comes back, see
+        # _produce_and_drop, and the mask is applied before the PV wgmma that holds V's slot)
         mask = mask_bufs.index(WG * STAGES + s).load(p_layout)
-        gl.thread_barrier()  # every thread has read the slot before it goes back
-        mbarrier.arrive(mask_empty.index(s))
         p_op = (p_op.to(gl.int16, bitcast=True) & mask).to(p_op.dtype, bitcast=True)
     return p_op
 
@@ -275,7 +288,7 @@ def _drop_p(p_op, mask_bufs, mask_ready, mask_empty, WG: gl.constexpr, it, p_lay
 @gluon.jit
 def _consumer_step(WG: gl.constexpr, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
                    o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready,
-                   mask_empty, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+                   s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                    CAUSAL: gl.constexpr,
                    WINDOW: gl.constexpr, ALIBI: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr):
@@ -301,7 +314,7 @@ def _consumer_step(WG: gl.constexpr, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs
     mbarrier.arrive(v_empty.index(sp))
     o_acc = o_acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = gl.convert_layout(p.to(q_tile.dtype), p_layout)
-    p_op = _drop_p(p_op, mask_bufs, mask_ready, mask_empty, WG, it, p_layout, STAGES, DROPOUT)
+    p_op = _drop_p(p_op, mask_bufs, mask_ready, WG, it, p_layout, STAGES, DROPOUT)
     return o_acc, p_op, m_i, l_i
 
 
@@ -309,7 +322,7 @@ def _consumer_step(WG: gl.constexpr, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs
 def _consumer(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
               k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
               lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, mask_bufs,
-              mask_ready, mask_empty, drop_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              mask_ready, drop_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
               GROUP: gl.constexpr, PERSISTENT: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr):
     if PERSISTENT:
@@ -321,13 +334,13 @@ def _consumer(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars
                                 k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr,
                                 table_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b, lse_stride_h,
                                 qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, mask_bufs, mask_ready,
-                                mask_empty, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI,
+                                drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI,
                                 GROUP, PERSISTENT, BIAS, DROPOUT)
     else:  # one tile per CTA
         _consume_tile(WG, gl.program_id(0), gl.to_tensor(0), 0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars,
                       k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen,
                       H, tiles, stride_os, stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr,
-                      stride_ab, stride_ah, mask_bufs, mask_ready, mask_empty, drop_scale, BLOCK_M, BLOCK_N,
+                      stride_ab, stride_ah, mask_bufs, mask_ready, drop_scale, BLOCK_M, BLOCK_N,
                       HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)
 
 
@@ -335,7 +348,7 @@ def _consumer(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars
 def _consume_tile(WG: gl.constexpr, t, pos, done, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs,
                   bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os,
                   stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                  mask_bufs, mask_ready, mask_empty, drop_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  mask_bufs, mask_ready, drop_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                   ALIBI: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr, BIAS: gl.constexpr,
                   DROPOUT: gl.constexpr):
@@ -347,7 +360,7 @@ def _consume_tile(WG: gl.constexpr, t, pos, done, q_desc, o_desc, out_ptr, lse_p
         pos = _consumer_tile(WG, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                              k_empty, v_ready, v_empty, pos, done, b, h, m0, bd, row_base, seqlen_b, stride_os,
                              stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab,
-                             stride_ah, mask_bufs, mask_ready, mask_empty, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
+                             stride_ah, mask_bufs, mask_ready, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
                              STAGES, CAUSAL, WINDOW, ALIBI, GROUP, BIAS, DROPOUT)
     return pos
 
@@ -356,7 +369,7 @@ def _consume_tile(WG: gl.constexpr, t, pos, done, q_desc, o_desc, out_ptr, lse_p
 def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs,
                    k_ready, k_empty, v_ready, v_empty, pos, done, b, h, m0, bd, row_base, seqlen, stride_os,
                    stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                   mask_bufs, mask_ready, mask_empty, drop_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   mask_bufs, mask_ready, drop_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                    ALIBI: gl.constexpr, GROUP: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr):
     """Warpgroup WG's 64 query rows of one tile; rows, keys and seqlen are the sequence's. Its first
@@ -401,7 +414,7 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
     p, m_i, l_i, alpha = _softmax_update(qk, bias, m_i, l_i, first * BLOCK_N, rows, seqlen, qk_scale, left, right,
                                          slope, s_layout, BLOCK_N, True, CAUSAL, WINDOW, ALIBI, BIAS)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
-    p_op = _drop_p(p_op, mask_bufs, mask_ready, mask_empty, WG, pos, p_layout, STAGES, DROPOUT)
+    p_op = _drop_p(p_op, mask_bufs, mask_ready, WG, pos, p_layout, STAGES, DROPOUT)
     o_acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
     # Masked tiles before the unmasked interior (a window's left edge), the interior, masked after.
@@ -411,19 +424,19 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
         for j in range(first + 1, lo):
             o_acc, p_op, m_i, l_i = _consumer_step(WG, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty,
                                                    v_ready, v_empty, o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale,
-                                                   left, right, slope, mask_bufs, mask_ready, mask_empty, s_layout,
+                                                   left, right, slope, mask_bufs, mask_ready, s_layout,
                                                    o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, True, CAUSAL, WINDOW,
                                                    ALIBI, BIAS, DROPOUT)
     for j in range(lo, hi):
         o_acc, p_op, m_i, l_i = _consumer_step(WG, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty,
                                                v_ready, v_empty, o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left,
-                                               right, slope, mask_bufs, mask_ready, mask_empty, s_layout, o_layout,
+                                               right, slope, mask_bufs, mask_ready, s_layout, o_layout,
                                                p_layout, BLOCK_N, HEAD_DIM, STAGES, False, CAUSAL, WINDOW, ALIBI, BIAS,
                                                DROPOUT)
     for j in range(hi, end):
         o_acc, p_op, m_i, l_i = _consumer_step(WG, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty,
                                                v_ready, v_empty, o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left,
-                                               right, slope, mask_bufs, mask_ready, mask_empty, s_layout, o_layout,
+                                               right, slope, mask_bufs, mask_ready, s_layout, o_layout,
                                                p_layout, BLOCK_N, HEAD_DIM, STAGES, True, CAUSAL, WINDOW, ALIBI, BIAS,
                                                DROPOUT)
 
@@ -460,51 +473,53 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
 
 
 @gluon.jit
-def _dropper(philox_ptr, threshold, mask_bufs, mask_ready, mask_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, left,
-             right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-             WINDOW: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr):
-    """The dropout warpgroup: CK's dropout mask of every key tile the consumers run, in their ring
-    order, into the mask ring. Its Philox work would crowd the consumers' registers (200-3000 B of
-    spills there) and their issue slots."""
-    if PERSISTENT:
-        pos = 0
-        for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
-            pos = _drop_tile(t, pos, philox_ptr, threshold, mask_bufs, mask_ready, mask_empty, seqstart_ptr,
-                             table_ptr, seqlen, H, tiles, left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP,
-                             PERSISTENT)
-    else:
-        _drop_tile(gl.program_id(0), gl.to_tensor(0), philox_ptr, threshold, mask_bufs, mask_ready, mask_empty,
-                   seqstart_ptr, table_ptr, seqlen, H, tiles, left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW,
-                   GROUP, PERSISTENT)
+def _produce_and_drop(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, philox_ptr, threshold,
+                      mask_bufs, mask_ready, seqlen, H, kv_group, tiles, left, right, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+    """With dropout (batch mode, one tile per CTA) one warpgroup streams K/V and makes CK's masks:
+    a producer warp of its own would be padded to a warpgroup (16 warps), which holds the launch to
+    128 registers a thread, too few for ptxas at d = 256. Per key tile u the order is K of u + 1,
+    the mask of u, V of u + 1:
+    - the mask of u starts once V's slot of u is free (consumer step u - 1 releases it just before
+      it reads mask u - 1), a whole consumer step before step u needs it;
+    - K of u + 1 waits for K's slot, released early in step u - 1, so Philox work never holds K
+      back; V of u + 1 is needed only in step u + 2;
+    - a mask slot needs no release of its own: mask u follows the wait for V's slot of tile u,
+      which the consumers release after the PV wgmma of tile u - STAGES, after its mask was read."""
+    b, h, m0 = _tile(gl.program_id(0), seqlen, H, tiles, philox_ptr, BLOCK_M, CAUSAL, False, False)  # (no table)
+    first, _, _, end = _key_tiles(m0, seqlen, left, right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    key_lo, key_hi, base_lo, base_hi = philox_key_and_base(philox_ptr, b * H + h)
+    h_kv = h // kv_group
+    _load_k_tile(0, b, h, m0, b, first * BLOCK_N, h_kv, k_desc, k_desc, k_bufs, k_bufs, k_ready, k_empty, 0, 0,
+                 BLOCK_M, STAGES, False)
+    _load_v_tile(0, b, first * BLOCK_N, h_kv, v_desc, v_bufs, v_ready, v_empty, STAGES)
+    for it in range(end - first):
+        n1 = (first + it + 1) * BLOCK_N
+        if it + 1 < end - first:
+            _load_k_tile(it + 1, b, h, m0, b, n1, h_kv, k_desc, k_desc, k_bufs, k_bufs, k_ready, k_empty, 0, 0,
+                         BLOCK_M, STAGES, False)
+        _drop_key_tile(it, m0, (first + it) * BLOCK_N, key_lo, key_hi, base_lo, base_hi, threshold, mask_bufs,
+                       mask_ready, BLOCK_M, BLOCK_N, STAGES)
+        if it + 1 < end - first:
+            _load_v_tile(it + 1, b, n1, h_kv, v_desc, v_bufs, v_ready, v_empty, STAGES)
 
 
 @gluon.jit
-def _drop_tile(t, pos, philox_ptr, threshold, mask_bufs, mask_ready, mask_empty, seqstart_ptr, table_ptr, seqlen, H,
-               tiles, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr):
-    """The masks of tile t's key tiles from ring position ``pos``, one 64-row mask per consumer
-    (16-bit, all ones where kept) in slot ``wg * STAGES + s``; returns the position after them.
-    They are written two columns a word, through a uint32 view of the slot: its rows are as many
-    bytes, swizzled alike."""
+def _drop_key_tile(u, m0, kv0, key_lo, key_hi, base_lo, base_hi, threshold, mask_bufs, mask_ready,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The masks of key tile kv0 (ring position u) for the query tile from row m0, one 64-row mask
+    per consumer (16-bit, all ones where kept) in slot ``wg * STAGES + u % STAGES``. They are
+    written two columns a word, through a uint32 view of the slot: its rows are as many bytes,
+    swizzled alike."""
     pair_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS_PER_CONSUMER, BLOCK_N // 2], gl.uint32)
-    b, h, m0 = _tile(t, seqlen, H, tiles, table_ptr, BLOCK_M, CAUSAL, PERSISTENT, GROUP)
-    _, _, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
-    if m0 < seqlen_b:
-        first, _, _, end = _key_tiles(m0, seqlen_b, left, right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-        key_lo, key_hi, base_lo, base_hi = philox_key_and_base(philox_ptr, b * H + h)
-        for it in range(end - first):
-            u = pos + it
-            s = u % STAGES
-            mbarrier.wait(mask_empty.index(s), ((u // STAGES) & 1) ^ 1)
-            for wg in gl.static_range(BLOCK_M // ROWS_PER_CONSUMER):
-                masks = dropout_mask_pairs(key_lo, key_hi, base_lo, base_hi, m0 + wg * ROWS_PER_CONSUMER,
-                                           (first + it) * BLOCK_N, threshold, BLOCK_N)
-                mask_bufs.index(wg * STAGES + s)._reinterpret(gl.uint32, [ROWS_PER_CONSUMER, BLOCK_N // 2],
-                                                              pair_layout).store(masks)
-            gl.thread_barrier()  # every thread's stores are in before the slot is handed over
-            mbarrier.arrive(mask_ready.index(s))
-        pos += end - first
-    return pos
+    s = u % STAGES
+    for wg in gl.static_range(BLOCK_M // ROWS_PER_CONSUMER):
+        masks = dropout_mask_pairs(key_lo, key_hi, base_lo, base_hi, m0 + wg * ROWS_PER_CONSUMER, kv0, threshold,
+                                   BLOCK_N)
+        mask_bufs.index(wg * STAGES + s)._reinterpret(gl.uint32, [ROWS_PER_CONSUMER, BLOCK_N // 2],
+                                                      pair_layout).store(masks)
+    gl.thread_barrier()  # every thread's stores are in before the slot is handed over
+    mbarrier.arrive(mask_ready.index(s))
 
 
 # Lengths, head counts and window sizes are not specialized: one compile serves every shape of a
@@ -551,48 +566,43 @@ def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, out_p
         mask_bufs = gl.allocate_shared_memory(gl.int16, [NUM_CONSUMERS * STAGES, ROWS_PER_CONSUMER, BLOCK_N],
                                               mask_layout)
         mask_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mask_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(mask_ready.index(i), count=1)
-            mbarrier.init(mask_empty.index(i), count=NUM_CONSUMERS)
     else:  # never read
         mask_bufs = k_bufs
         mask_ready = k_ready
-        mask_empty = k_empty
 
     # Each consumer warpgroup is a partition of its own (the first argument is its index), so it
     # gets its own named barrier and one warpgroup's mbarrier arrive never waits on another. The
     # argument tuples stay inline: a tuple assigned to a local first turns its constexprs into
     # tensors, which then cannot build layouts.
-    if DROPOUT:  # the dropout warpgroup is the default partition: ptxas holds that one to maxnreg
+    if DROPOUT:  # loads and masks in the default partition (see _produce_and_drop)
         gl.warp_specialize([
-            (_dropper, (philox_ptr, threshold, mask_bufs, mask_ready, mask_empty, seqstart_ptr, table_ptr, seqlen, H,
-                        tiles, left, right, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT)),
+            (_produce_and_drop, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, philox_ptr,
+                                 threshold, mask_bufs, mask_ready, seqlen, H, kv_group, tiles, left, right,
+                                 BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW)),
             (_consumer, (0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
                           lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                          mask_bufs, mask_ready, mask_empty, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                          mask_bufs, mask_ready, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
                           WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
             (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
                           lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                          mask_bufs, mask_ready, mask_empty, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                          mask_bufs, mask_ready, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
                           WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
-            (_producer, (k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
-                         seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right,
-                         BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT, BIAS)),
-        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     elif NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
                           lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                          mask_bufs, mask_ready, mask_empty, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                          mask_bufs, mask_ready, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
                           WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
             (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
                           lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                          mask_bufs, mask_ready, mask_empty, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                          mask_bufs, mask_ready, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
                           WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
             (_producer, (k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
                          seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right,
@@ -603,17 +613,17 @@ def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, out_p
             (_consumer, (0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
                           lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                          mask_bufs, mask_ready, mask_empty, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                          mask_bufs, mask_ready, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
                           WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
             (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
                           lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                          mask_bufs, mask_ready, mask_empty, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                          mask_bufs, mask_ready, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
                           WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
             (_consumer, (2, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
                           lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                          mask_bufs, mask_ready, mask_empty, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                          mask_bufs, mask_ready, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
                           WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
             (_producer, (k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
                          seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right,

@@ -174,22 +174,25 @@ def test_forward_with_window_or_alibi_against_reference(case):
 # ragged lengths, d = 128/256, and -inf entries, whole rows of them included (O = 0, LSE = -inf).
 # Lengths are multiples of 8 (TMA wants 16-byte row strides; others stay portable) but not of the
 # tiles; "pad" rows are a view of wider rows (row stride != seqlen).
-# (batch, seqlen, nhead_q, nhead_k, head_dim, mask, bias shape, -inf entries, dtype)
+# With dropout too (p > 0) the keys come in tiles of 64 (HopperFwdConfig.bias_dropout_block_n).
+# (batch, seqlen, nhead_q, nhead_k, head_dim, mask, bias shape, -inf entries, dtype, dropout p)
 BIAS_CASES = [
-    (2, 1000, 4, 4, 128, None, "hss", False, torch.bfloat16),
-    (2, 776, 4, 4, 128, "t", "bhss", False, torch.float16),
-    (1, 1496, 2, 2, 256, None, "ss", False, torch.bfloat16),
-    (2, 1000, 4, 4, 128, None, "hss", True, torch.bfloat16),
-    (2, 1200, 2, 2, 256, "b", "bhss", True, torch.bfloat16),
-    (2, 520, 8, 2, 128, "t", "bhss-pad", False, torch.bfloat16),
+    (2, 1000, 4, 4, 128, None, "hss", False, torch.bfloat16, 0.0),
+    (2, 776, 4, 4, 128, "t", "bhss", False, torch.float16, 0.0),
+    (1, 1496, 2, 2, 256, None, "ss", False, torch.bfloat16, 0.0),
+    (2, 1000, 4, 4, 128, None, "hss", True, torch.bfloat16, 0.0),
+    (2, 1200, 2, 2, 256, "b", "bhss", True, torch.bfloat16, 0.0),
+    (2, 520, 8, 2, 128, "t", "bhss-pad", False, torch.bfloat16, 0.0),
+    (2, 1000, 4, 4, 128, None, "hss", False, torch.bfloat16, 0.2),
+    (1, 1496, 4, 2, 128, "t", "bhss", True, torch.float16, 0.2),
 ]
 
 
 @pytest.mark.parametrize("case", BIAS_CASES, ids=[
     f"s{c[1]}-h{c[2]}/{c[3]}-d{c[4]}-{c[5] or 'n'}-{c[6]}{'-inf' if c[7] else ''}-{str(c[8])[6:]}"
-    for c in BIAS_CASES])
+    f"{f'-p{c[9]}' if c[9] else ''}" for c in BIAS_CASES])
 def test_forward_with_bias_against_reference(case):
-    batch, seqlen, nhead, nhead_k, head_dim, mask, form, with_inf, dtype = case
+    batch, seqlen, nhead, nhead_k, head_dim, mask, form, with_inf, dtype, p = case
     q, k, v, dout, _ = _problem((batch, seqlen, nhead, nhead_k, head_dim, mask, dtype, "bshd"))
     g = torch.Generator().manual_seed(7)
     rows = {"ss": (seqlen,), "hss": (nhead, seqlen), "bhss": (batch, nhead, seqlen),
@@ -199,13 +202,14 @@ def test_forward_with_bias_against_reference(case):
         full[torch.rand(full.shape, generator=g) < 0.2] = -float("inf")
         full[..., 5, :] = -float("inf")  # a row that sees nothing
     bias = full.to("cuda", dtype)[..., :seqlen]  # sliced on the device: the padded row stride stays
-    assert hopper.fwd_unsupported(check_inputs(q, k, v, mask=mask, bias=bias)) is None
+    kwargs = dict(mask=mask, dropout_p=p, **DROPOUT_SEEDS) if p else dict(mask=mask)
+    assert hopper.fwd_unsupported(check_inputs(q, k, v, bias=bias, **kwargs)) is None
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    result = fmha.fwd(*leaves, mask=mask, bias=bias, return_lse=True)
-    grads = torch.autograd.grad(fmha.attention(*leaves, mask=mask, bias=bias), leaves, dout)
+    result = fmha.fwd(*leaves, bias=bias, **kwargs, return_lse=True)
+    grads = torch.autograd.grad(fmha.attention(*leaves, bias=bias, **kwargs), leaves, dout)
 
     def reference(compute):
-        return _reference(q, k, v, dout, dict(mask=mask, bias=bias.to(compute)), compute)
+        return _reference(q, k, v, dout, dict(kwargs, bias=bias.to(compute)), compute)
 
     (exact_out, exact_lse, exact_grads), (low_out, _, low_grads) = reference(torch.float32), reference(dtype)
     assert max_error(result.out, exact_out) <= error_bound(dtype, max_error(low_out, exact_out))
@@ -307,25 +311,29 @@ def test_backward_with_window_or_alibi_against_reference(case):
 # one-hot (key j in column j), so O[i, j] * n * (1 - p) is 1 where CK's byte keeps (i, j), else 0.
 # The seed and offset make the counter's low word carry for the later batches and heads.
 DROPOUT_SEEDS = dict(seed=2**40 + 9, offset=2**32 - 200)
-# (batch, head_dim = seqlen, mask, dtype, p): thresholds above and below 128 (the compare's top bit)
+# (batch, head_dim = seqlen, mask, dtype, p, a zero bias [H, n, n]): thresholds above and below 128
+# (the compare's top bit); with the bias, keys in tiles of 64.
 DROPOUT_BYTE_CASES = [
-    (2, 128, None, torch.bfloat16, 0.3),
-    (2, 128, "t", torch.float16, 0.7),
-    (3, 128, "b:40,7", torch.bfloat16, 0.1),
-    (2, 256, "t", torch.bfloat16, 0.3),
-    (2, 64, None, torch.float16, 0.2),
+    (2, 128, None, torch.bfloat16, 0.3, False),
+    (2, 128, "t", torch.float16, 0.7, False),
+    (3, 128, "b:40,7", torch.bfloat16, 0.1, False),
+    (2, 256, "t", torch.bfloat16, 0.3, False),
+    (2, 64, None, torch.float16, 0.2, False),
+    (2, 128, "t", torch.bfloat16, 0.3, True),
 ]
 
 
-@pytest.mark.parametrize("case", DROPOUT_BYTE_CASES, ids=[f"b{c[0]}-d{c[1]}-{c[2] or 'n'}-{str(c[3])[6:]}-p{c[4]}"
-                                                          for c in DROPOUT_BYTE_CASES])
+@pytest.mark.parametrize("case", DROPOUT_BYTE_CASES, ids=[
+    f"b{c[0]}-d{c[1]}-{c[2] or 'n'}-{str(c[3])[6:]}-p{c[4]}{'-bias' if c[5] else ''}" for c in DROPOUT_BYTE_CASES])
 def test_forward_dropout_keeps_ck_bytes(case):
-    batch, n, mask, dtype, p = case
+    batch, n, mask, dtype, p, with_bias = case
     nhead = 3
     q = torch.zeros(batch, n, nhead, n, device="cuda", dtype=dtype)
     v = torch.zeros_like(q)
     v[:, torch.arange(n), :, torch.arange(n)] = 1  # key j's value is column j
     kwargs = dict(mask=mask, dropout_p=p, **DROPOUT_SEEDS)
+    if with_bias:
+        kwargs["bias"] = torch.zeros(nhead, n, n, device="cuda", dtype=dtype)
     assert hopper.fwd_unsupported(check_inputs(q, q, v, **kwargs)) is None
     out = fmha.fwd(q, q, v, **kwargs).out
     seen = fmha.reference.visible(fmha.masks.parse_mask(mask), n, n, device="cuda")

@@ -56,14 +56,14 @@ def test_causal_alibi_at_d64_is_left_to_the_portable_forward(monkeypatch):
     assert hopper.fwd_unsupported(check_inputs(q, q, q, alibi_slopes=slopes)) is None
 
 
-def test_the_forward_takes_dropout_in_batch_mode_without_a_bias(monkeypatch):
+def test_the_forward_takes_dropout_in_batch_mode(monkeypatch):
     _on_cuda(monkeypatch)
     q = torch.empty(1, 4096, 2, 128, dtype=torch.bfloat16)
     windowed = check_inputs(q, q, q, dropout_p=0.1, mask="b:100,0", alibi_slopes=torch.ones(2))
     assert hopper.fwd_unsupported(windowed) is None
     assert hopper.bwd_unsupported(check_inputs(q, q, q, dropout_p=0.1), deterministic=False) == "dropout"
     bias = torch.empty(2, 4096, 4096, dtype=torch.bfloat16)
-    assert hopper.fwd_unsupported(check_inputs(q, q, q, dropout_p=0.1, bias=bias)) == "an elementwise bias with dropout"
+    assert hopper.fwd_unsupported(check_inputs(q, q, q, dropout_p=0.1, bias=bias)) is None
     packed = torch.empty(4096, 2, 128, dtype=torch.bfloat16)
     starts = torch.tensor([0, 1000, 4096], dtype=torch.int32)
     assert hopper.fwd_unsupported(check_inputs(packed, packed, packed, seqstart_q=starts, seqstart_k=starts,
@@ -72,6 +72,9 @@ def test_the_forward_takes_dropout_in_batch_mode_without_a_bias(monkeypatch):
     assert hopper.fwd_unsupported(check_inputs(q256, q256, q256, dropout_p=0.1)) is None
     assert hopper.fwd_unsupported(check_inputs(q256, q256, q256, dropout_p=0.1, alibi_slopes=torch.ones(2))) == \
         "ALiBi with dropout at head dim 256"
+    bias256 = torch.empty(2, 4096, 4096, dtype=torch.bfloat16)
+    assert hopper.fwd_unsupported(check_inputs(q256, q256, q256, dropout_p=0.1, bias=bias256)) == \
+        "an elementwise bias with dropout at head dim 256"
 
 
 def test_group_mode_takes_the_fast_path_when_queries_and_keys_share_their_sequences():

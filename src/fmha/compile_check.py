@@ -163,7 +163,8 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
     the config has both) and the backward's three kernels where
     the head dim has a backward config; the forward and the backward's main kernel also with ALiBi
     (and without a causal mask a sliding window with ALiBi) where they take it, and in group mode;
-    the forward with a bias, and with dropout (alone, and with ALiBi), where its config takes them."""
+    the forward with a bias, and with dropout (alone, with ALiBi, with a bias), where its config
+    takes them."""
     prefix = _hopper_name(dtype, head_dim, causal)
     q = torch.empty(2, 1000, 4, head_dim, dtype=dtype)  # a ragged length: nothing specializes on it
     k, v = torch.empty_like(q), torch.empty_like(q)
@@ -194,6 +195,9 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
     if cfg.dropout_alibi and (cfg.causal_alibi or not causal):  # with ALiBi (and a window)
         dropped.append((f"{alibi} dropout", check_inputs(q, k, v, mask="t" if causal else "b:100,0",
                                                          alibi_slopes=torch.ones(4), dropout_p=0.1)))
+    if cfg.bias_dropout_block_n:
+        dropped.append(("bias dropout", check_inputs(q, k, v, mask="t" if causal else None, dropout_p=0.1,
+                                                     bias=torch.empty(4, 1000, 1000, dtype=dtype))))
     for name, problem in dropped:
         kernel, grid, kwargs = hopper.fwd_launches(problem, out, lse, torch.zeros(2, dtype=torch.int64))[-1]
         results.append(_compile(f"{prefix} fwd {name}", kernel, grid, kwargs))

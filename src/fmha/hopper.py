@@ -137,8 +137,8 @@ def fwd_unsupported(inputs: AttentionInputs) -> str | None:
             return f"elementwise bias at head dim {inputs.head_dim_q}"
         if inputs.dropout_p > 0 and inputs.alibi_slopes is not None and not cfg.dropout_alibi:
             return f"ALiBi with dropout at head dim {inputs.head_dim_q}"
-        if inputs.dropout_p > 0 and inputs.bias is not None:  # the bias and mask rings overflow shared memory
-            return "an elementwise bias with dropout"
+        if inputs.dropout_p > 0 and inputs.bias is not None and not cfg.bias_dropout_block_n:
+            return f"an elementwise bias with dropout at head dim {inputs.head_dim_q}"
         if inputs.dropout_p > 0 and inputs.group:  # its consumers spill 1164 B at d=128
             return "dropout in group mode"
         if inputs.group and (inputs.batch >= 1 << 23 or inputs.nhead_q >= 1 << 20
@@ -294,6 +294,8 @@ def fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, 
     cfg = HOPPER_FWD_CONFIGS[head_dim]
     dropout = inputs.dropout_p > 0
     consumers = 2 if dropout else cfg.consumers  # (see HopperFwdConfig's dropout fields)
+    bias_dropout = dropout and inputs.bias is not None
+    block_n = cfg.bias_dropout_block_n if bias_dropout else cfg.block_n
     rows = ROWS_PER_CONSUMER.value
     block_m = rows * consumers
     launches = []
@@ -315,19 +317,19 @@ def fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, 
         grid = (min(tiles, _sm_count(_device_index(q.device))),)
     else:
         grid = (tiles,)  # 1-D: grid y stops at 65535
-    k_desc = _desc(k, cfg.block_n, head_dim)
+    k_desc = _desc(k, block_n, head_dim)
     kwargs = dict(
         q_desc=_desc(q, rows, head_dim), k_desc=k_desc, bias_desc=k_desc,
-        v_desc=_desc(v, cfg.block_n, head_dim), o_desc=_desc(out, rows, head_dim), out_ptr=out, lse_ptr=lse,
+        v_desc=_desc(v, block_n, head_dim), o_desc=_desc(out, rows, head_dim), out_ptr=out, lse_ptr=lse,
         seqstart_ptr=inputs.seqstart_q if inputs.group else lse, table_ptr=table, seqlen=seqlen, H=nhead,
         kv_group=inputs.nhead_q // inputs.nhead_k, tiles=tiles, qk_scale=inputs.scale * LOG2E,
         stride_os=out.stride(1), stride_oh=out.stride(2), lse_stride_b=lse_strides[0], lse_stride_h=lse_strides[1],
-        BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, STAGES=cfg.stages, NUM_CONSUMERS=consumers,
+        BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=cfg.bias_dropout_stages if bias_dropout else cfg.stages, NUM_CONSUMERS=consumers,
         CONSUMER_REGS=cfg.dropout_consumer_regs if dropout else cfg.consumer_regs,
         CAUSAL=inputs.mask.is_causal, GROUP=inputs.group, PERSISTENT=persistent, num_warps=4,
         maxnreg=DROPOUT_MAXNREG if dropout else cfg.maxnreg, **features, **_dropout_args(inputs, philox, lse),
     )
-    kwargs.update(_bias_args(inputs, rows, cfg.block_n))
+    kwargs.update(_bias_args(inputs, rows, block_n))
     return launches + [(attention_fwd_hopper_kernel, grid, kwargs)]
 
 

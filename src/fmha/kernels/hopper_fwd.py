@@ -473,9 +473,10 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
 
 
 @gluon.jit
-def _produce_and_drop(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, philox_ptr, threshold,
-                      mask_bufs, mask_ready, seqlen, H, kv_group, tiles, left, right, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+def _produce_and_drop(k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
+                      philox_ptr, threshold, mask_bufs, mask_ready, seqlen, H, kv_group, tiles, left, right,
+                      bias_step_b, bias_step_h, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr, WINDOW: gl.constexpr, BIAS: gl.constexpr):
     """With dropout (batch mode, one tile per CTA) one warpgroup streams K/V and makes CK's masks:
     a producer warp of its own would be padded to a warpgroup (16 warps), which holds the launch to
     128 registers a thread, too few for ptxas at d = 256. Per key tile u the order is K of u + 1,
@@ -490,14 +491,14 @@ def _produce_and_drop(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready,
     first, _, _, end = _key_tiles(m0, seqlen, left, right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     key_lo, key_hi, base_lo, base_hi = philox_key_and_base(philox_ptr, b * H + h)
     h_kv = h // kv_group
-    _load_k_tile(0, b, h, m0, b, first * BLOCK_N, h_kv, k_desc, k_desc, k_bufs, k_bufs, k_ready, k_empty, 0, 0,
-                 BLOCK_M, STAGES, False)
+    _load_k_tile(0, b, h, m0, b, first * BLOCK_N, h_kv, k_desc, bias_desc, k_bufs, bias_bufs, k_ready, k_empty,
+                 bias_step_b, bias_step_h, BLOCK_M, STAGES, BIAS)
     _load_v_tile(0, b, first * BLOCK_N, h_kv, v_desc, v_bufs, v_ready, v_empty, STAGES)
     for it in range(end - first):
         n1 = (first + it + 1) * BLOCK_N
         if it + 1 < end - first:
-            _load_k_tile(it + 1, b, h, m0, b, n1, h_kv, k_desc, k_desc, k_bufs, k_bufs, k_ready, k_empty, 0, 0,
-                         BLOCK_M, STAGES, False)
+            _load_k_tile(it + 1, b, h, m0, b, n1, h_kv, k_desc, bias_desc, k_bufs, bias_bufs, k_ready, k_empty,
+                         bias_step_b, bias_step_h, BLOCK_M, STAGES, BIAS)
         _drop_key_tile(it, m0, (first + it) * BLOCK_N, key_lo, key_hi, base_lo, base_hi, threshold, mask_bufs,
                        mask_ready, BLOCK_M, BLOCK_N, STAGES)
         if it + 1 < end - first:
@@ -578,9 +579,10 @@ def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, out_p
     # tensors, which then cannot build layouts.
     if DROPOUT:  # loads and masks in the default partition (see _produce_and_drop)
         gl.warp_specialize([
-            (_produce_and_drop, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, philox_ptr,
-                                 threshold, mask_bufs, mask_ready, seqlen, H, kv_group, tiles, left, right,
-                                 BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW)),
+            (_produce_and_drop, (k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready,
+                                 v_empty, philox_ptr, threshold, mask_bufs, mask_ready, seqlen, H, kv_group, tiles,
+                                 left, right, bias_step_b, bias_step_h, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW,
+                                 BIAS)),
             (_consumer, (0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
                           lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,

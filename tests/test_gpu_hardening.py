@@ -119,8 +119,8 @@ def test_huge_batch_mode(deterministic):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_huge_batch_mode_plain(deterministic):
     """The same 2.18e9-element q, k, v without bias or dropout: on Hopper the fast path's kernels
-    run it (forward always, backward in atomic mode). Peak about 44 GB: q, k, v, dout 17.4, out
-    4.4, dq/dk/dv 13.1, the fp32 dQ accumulator 8.7."""
+    run it. Peak about 44 GB: q, k, v, dout 17.4, out 4.4, dq/dk/dv 13.1, the fp32 dQ accumulator
+    8.7 (deterministic: its four copies, 34.8, so about 70 GB)."""
     gen = torch.Generator(device="cuda").manual_seed(2)
     shape = (HUGE_BATCH, HUGE_SEQLEN, HUGE_HEADS, HUGE_DIM)
     q, k, v, dout = (_randn(shape, gen) for _ in range(4))

@@ -98,6 +98,12 @@ def _on_cuda(monkeypatch):
     monkeypatch.setattr(hopper, "device_unsupported", lambda device: None)
 
 
+def _with_sms(monkeypatch, sms):
+    """Pretend the GPU has ``sms`` SMs."""
+    monkeypatch.setattr(hopper, "_device_index", lambda device: 0)
+    monkeypatch.setattr(hopper, "_sm_count", lambda index: sms)
+
+
 @pytest.mark.parametrize("seqlen, mask, portable", [(1024, None, True), (2048, None, False), (2048, "b", True),
                                                     (4096, "t", False)])
 def test_short_d64_forwards_take_the_faster_portable_kernels(monkeypatch, seqlen, mask, portable):
@@ -140,9 +146,47 @@ def test_group_mode_backward_at_d256_is_left_to_the_portable_kernels(monkeypatch
                                     dict(mask="b:1024,0", alibi_slopes=torch.ones(2, 4))])
 def test_the_narrow_backward_takes_windows_and_alibi(monkeypatch, head_dim, kwargs):
     _on_cuda(monkeypatch)
+    _with_sms(monkeypatch, 132)
     inputs = _inputs(head_dim=head_dim, **kwargs)
     assert hopper.bwd_unsupported(inputs, deterministic=False) is None
-    assert hopper.bwd_unsupported(inputs, deterministic=True).startswith("deterministic mode")
+    windowed = not inputs.mask.is_causal and inputs.mask.type != 0
+    assert hopper.bwd_unsupported(inputs, deterministic=True) == (
+        "deterministic mode with a sliding window" if windowed else None)
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(), None),
+    (dict(mask="t"), None),
+    (dict(head_dim=64, mask="b"), None),
+    (dict(head_dim=256), "deterministic mode at head dim 256"),
+    (dict(nhead_k=2), "deterministic mode with GQA/MQA"),
+    (dict(mask="b:100,0"), "deterministic mode with a sliding window"),
+])
+def test_the_deterministic_backward_on_the_fast_path(monkeypatch, kwargs, reason):
+    _on_cuda(monkeypatch)
+    _with_sms(monkeypatch, 132)
+    assert hopper.bwd_unsupported(_inputs(**kwargs), deterministic=True) == reason
+
+
+@pytest.mark.parametrize("mask", [None, "t"])
+def test_the_deterministic_backward_wants_a_heads_key_tiles_resident_together(monkeypatch, mask):
+    _on_cuda(monkeypatch)
+    _with_sms(monkeypatch, 132)
+    fits = torch.empty(1, 132 * 128, 2, 128, dtype=torch.bfloat16)
+    assert hopper.bwd_unsupported(check_inputs(fits, fits, fits, mask=mask), deterministic=True) is None
+    longer = torch.empty(1, 132 * 128 + 1, 2, 128, dtype=torch.bfloat16)
+    assert hopper.bwd_unsupported(check_inputs(longer, longer, longer, mask=mask), deterministic=True) == \
+        "deterministic mode over 133 key tiles of 128: more than the 132 SMs"
+
+
+def test_the_deterministic_backward_leaves_group_mode_to_the_portable_kernels(monkeypatch):
+    _on_cuda(monkeypatch)
+    _with_sms(monkeypatch, 132)
+    packed = torch.empty(100, 4, 128, dtype=torch.bfloat16)
+    starts = torch.tensor([0, 40, 100], dtype=torch.int32)
+    inputs = check_inputs(packed, packed, packed, seqstart_q=starts, seqstart_k=starts)
+    assert hopper.bwd_unsupported(inputs, deterministic=False) is None
+    assert hopper.bwd_unsupported(inputs, deterministic=True) == "deterministic mode in group mode"
 
 
 @pytest.mark.parametrize("kwargs, reason", [

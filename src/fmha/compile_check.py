@@ -163,8 +163,8 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
     the config has both) and the backward's three kernels where
     the head dim has a backward config; the forward and the backward's main kernel also with ALiBi
     (and without a causal mask a sliding window with ALiBi) where they take it, and in group mode;
-    the forward with a bias, and with dropout (alone, with ALiBi, with a bias), where its config
-    takes them."""
+    the forward with a bias, and with dropout (alone, with ALiBi, with a bias), and the
+    deterministic backward (alone and with ALiBi), where its config takes them."""
     prefix = _hopper_name(dtype, head_dim, causal)
     q = torch.empty(2, 1000, 4, head_dim, dtype=dtype)  # a ragged length: nothing specializes on it
     k, v = torch.empty_like(q), torch.empty_like(q)
@@ -222,6 +222,12 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
         if HOPPER_BWD_CONFIGS[head_dim].windows_and_alibi:
             _, (kernel, grid, kwargs), _ = hopper.bwd_launches(with_alibi, torch.empty_like(q), out, lse, *grads)
             results.append(_compile(f"{prefix} bwd {kernel.__name__} {alibi}", kernel, grid, kwargs))
+        if HOPPER_BWD_CONFIGS[head_dim].deterministic_chains:  # (its other two kernels are the same)
+            alibi_only = check_inputs(q, k, v, mask="t" if causal else None, alibi_slopes=torch.ones(4))
+            for name, problem in (("deterministic", inputs), ("alibi deterministic", alibi_only)):
+                _, (kernel, grid, kwargs), _ = hopper.bwd_launches(problem, torch.empty_like(q), out, lse, *grads,
+                                                                   deterministic=True)
+                results.append(_compile(f"{prefix} bwd {kernel.__name__} {name}", kernel, grid, kwargs))
     return results
 
 

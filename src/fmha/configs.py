@@ -200,6 +200,10 @@ class HopperBwdConfig:
     dq_cols: int = 0  # d=256 (64 keys per CTA, the warpgroups split the head dim): dQ piece width
     windows_and_alibi: bool = True  # sliding windows and ALiBi on the fast path (not the d=256 kernel)
     feature_block_m: int = 0  # the query tile in group mode or with a window or ALiBi (0: block_m)
+    # The deterministic mode's dQ accumulator copies per head, a power of two (0: the portable
+    # kernels; see hopper_bwd's ``_rank``): with more a CTA has more steps of slack before it
+    # waits for its turn to add.
+    deterministic_chains: int = 0
 
     def block_m_for(self, features: bool) -> int:
         return self.feature_block_m if features and self.feature_block_m else self.block_m
@@ -208,8 +212,8 @@ class HopperBwdConfig:
 HOPPER_BWD_CONFIGS: dict[int, HopperBwdConfig] = {
     # 437 TFLOP/s at s=16k (bf16); 128-row query tiles spill in group mode and with a window and
     # ALiBi (24 and 8 B), 64-row ones do not
-    64: HopperBwdConfig(128, 2, 2, 240, 168, feature_block_m=64),
-    128: HopperBwdConfig(64, 2, 2, 240, 168),  # 475 at s=16k
+    64: HopperBwdConfig(128, 2, 2, 240, 168, feature_block_m=64, deterministic_chains=4),
+    128: HopperBwdConfig(64, 2, 2, 240, 168, deterministic_chains=4),  # 475 at s=16k
     # one P/dS tile pair (ds_bufs 1); 308 at s=16k
     256: HopperBwdConfig(64, 2, 1, 240, 168, dq_cols=32, windows_and_alibi=False),
 }

@@ -158,8 +158,30 @@ def bwd_unsupported(inputs: AttentionInputs, deterministic: bool) -> str | None:
         if reason is not None:
             reason = f"{reason} at head dim {inputs.head_dim_q}"
     if reason is None and deterministic:
-        reason = "deterministic mode (the fast path reduces dQ in arrival order)"
+        reason = _deterministic_reason(inputs)
     return reason
+
+
+def _deterministic_reason(inputs: AttentionInputs) -> str | None:
+    """Why the deterministic mode cannot take the fast path, or None. Each query tile's dQ adds go
+    in a fixed order of its key tiles (``kernels/hopper_bwd._rank``), in which a CTA may wait for
+    one launched after it: a head's key tiles must all be resident at once, one CTA per SM."""
+    from .kernels.hopper_bwd import BLOCK_N
+
+    why = [
+        (not HOPPER_BWD_CONFIGS[inputs.head_dim_q].deterministic_chains, f"at head dim {inputs.head_dim_q}"),
+        (inputs.group, "in group mode"),
+        (inputs.nhead_q != inputs.nhead_k, "with GQA/MQA"),
+        (inputs.mask.type != MaskType.NONE and not inputs.mask.is_causal, "with a sliding window"),
+    ]
+    for refused, what in why:
+        if refused:
+            return f"deterministic mode {what}"
+    key_tiles = cdiv(inputs.max_seqlen_q, BLOCK_N.value)
+    sms = _sm_count(_device_index(inputs.q.device))
+    if key_tiles > sms:
+        return f"deterministic mode over {key_tiles} key tiles of {BLOCK_N.value}: more than the {sms} SMs"
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -334,9 +356,10 @@ def fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, 
 
 
 def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                 dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
+                 dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, deterministic: bool = False):
     """The backward's three (kernel, grid, kwargs), in order; dq, dk, dv contiguous ``[B, S, H, D]``
-    (group mode ``[T, H, D]``, dk and dv zeroed: the kernel adds into them)."""
+    (group mode ``[T, H, D]``, dk and dv zeroed: the kernel adds into them). ``deterministic``:
+    dQ's adds in a fixed order (where ``bwd_unsupported`` allows it)."""
     from .kernels.hopper_bwd import (
         BLOCK_N,
         STAT_PAD,
@@ -365,7 +388,9 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
     seqlen_pad = cdiv(seqlen, STAT_PAD) * STAT_PAD
     neg_delta = torch.empty((batch, nhead, seqlen_pad), dtype=torch.float32, device=q.device)
     neg_lse = torch.empty_like(neg_delta)
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    chains = cfg.deterministic_chains if deterministic else 0
+    copies = max(chains, 1)  # the deterministic mode's dQ copies per head
+    dq_acc = torch.zeros((*q.shape[:2], q.shape[2] * copies, q.shape[3]), dtype=torch.float32, device=q.device)
     per_sequence = 0 if inputs.group else 1  # group mode: one packed "batch", sequences by seqstart
     preprocess = dict(
         O=out, DO=dout, Lse=lse, NegDelta=neg_delta, NegLse=neg_lse,
@@ -375,7 +400,8 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
         stride_doh=dout.stride(2), stride_lb=lse.stride(0) * per_sequence, stride_lh=lse.stride(1),
         HEAD_DIM=head_dim, BLOCK=STAT_PAD, GROUP=inputs.group, num_warps=8 if head_dim <= 128 else 16,
     )
-    convert = dict(Acc=dq_acc, DQ=dq, n=dq.numel(), scale=inputs.scale, BLOCK=CONVERT_BLOCK, num_warps=8)
+    convert = dict(Acc=dq_acc, DQ=dq, n=dq.numel(), scale=inputs.scale, BLOCK=CONVERT_BLOCK, COPIES=copies,
+                   HEAD_DIM=head_dim, num_warps=8)
     if head_dim == 256:  # the head-dim-split kernel: 64 keys per CTA
         wide = dict(
             q_desc=_desc(q, cfg.block_m, head_dim), k_desc=_desc(k, WIDE_KEYS.value, head_dim),
@@ -392,16 +418,20 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
         features = _window_and_alibi_args(inputs, neg_lse)
         block_m = cfg.block_m_for(inputs.group or features["WINDOW"] or features["ALIBI"] != 0)
         dq_cols = head_dim if block_m == 128 else head_dim // 2
+        # deterministic: one turn counter per (batch * head, query tile, dQ copy)
+        sems = torch.zeros((batch * nhead, cdiv(seqlen, block_m), chains), dtype=torch.int32,
+                           device=q.device) if chains else neg_lse  # (atomic: never read)
         narrow = dict(
             q_desc=_desc(q, block_m, head_dim), k_desc=_desc(k, BLOCK_N.value, head_dim),
             v_desc=_desc(v, WG_KEYS.value, head_dim), do_desc=_desc(dout, block_m, head_dim),
             dk_desc=_desc(dk, WG_KEYS.value, head_dim), dv_desc=_desc(dv, WG_KEYS.value, head_dim),
             dq_desc=_desc(dq_acc, 64, dq_cols, swizzle=False), lse_desc=_stat_desc(neg_lse, block_m),
             delta_desc=_stat_desc(neg_delta, block_m),
-            seqstart_ptr=inputs.seqstart_q if inputs.group else neg_lse, seqlen=seqlen, H=nhead_k,
+            seqstart_ptr=inputs.seqstart_q if inputs.group else neg_lse,
+            sem_ptr=sems, seqlen=seqlen, H=nhead_k,
             kv_group=kv_group, qk_scale=inputs.scale * LOG2E, sm_scale=inputs.scale, BLOCK_M=block_m,
             HEAD_DIM=head_dim, STAGES=cfg.stages, DS_BUFS=cfg.ds_bufs, CONSUMER_REGS=cfg.consumer_regs,
-            CAUSAL=inputs.mask.is_causal, GROUP=inputs.group, num_warps=4, maxnreg=cfg.maxnreg,
+            CAUSAL=inputs.mask.is_causal, GROUP=inputs.group, CHAINS=chains, num_warps=4, maxnreg=cfg.maxnreg,
             **features,
         )
         main = (attention_bwd_hopper_kernel, (cdiv(seqlen, BLOCK_N.value) * batch * nhead_k,), narrow)

@@ -311,7 +311,8 @@ def bwd_launches(
     if no_queries:
         return [], grads
     if hopper.bwd_unsupported(inputs, deterministic) is None:
-        return [Launch(*entry) for entry in hopper.bwd_launches(inputs, dout, out, lse, dq, dk, dv)], grads
+        return [Launch(*entry) for entry in hopper.bwd_launches(inputs, dout, out, lse, dq, dk, dv,
+                                                                deterministic)], grads
 
     cfg = bwd_config(q.dtype, inputs.head_dim_q, inputs.head_dim_v, has_bias=inputs.bias is not None,
                      has_dropout=inputs.dropout_p > 0)

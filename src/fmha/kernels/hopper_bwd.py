@@ -15,7 +15,8 @@ head dim between the warpgroups instead): one CTA per (128-key tile, batch * hea
   ``S^T = K Q^T`` and ``dP^T = V dO^T`` start from the folded statistics, so
   ``P^T = exp2(S^T * scale * log2 e)`` and ``dS^T = P^T * dP^T``; then ``dV += P^T dO``,
   ``dK += dS^T Q`` and ``dQ_part = dS K``, which a TMA bulk reduce-add sums into the fp32
-  accumulator (the order of those adds varies: this is the atomic mode).
+  accumulator. In the atomic mode the order of those adds varies; in the deterministic mode
+  (``CHAINS``) they take turns in a fixed order that the producer warp keeps (see ``_rank``).
 * the epilogue writes dV and ``dK * scale`` by TMA through this warpgroup's half of the V tile.
 
 A sliding window (``WINDOW``) visits only the query tiles whose rows see some of the CTA's keys,
@@ -87,10 +88,18 @@ def hopper_bwd_preprocess(O, DO, Lse, NegDelta, NegLse, Seqstart, seqlen, seqlen
 
 
 @triton.jit
-def hopper_bwd_convert_dq(Acc, DQ, n, scale, BLOCK: tl.constexpr):
+def hopper_bwd_convert_dq(Acc, DQ, n, scale, BLOCK: tl.constexpr, COPIES: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """dQ = scale * the fp32 accumulator, ``[B, S, H * COPIES, HEAD_DIM]``: each head's COPIES
+    copies (the deterministic mode's) summed in order."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     keep = offs < n
-    acc = tl.load(Acc + offs, mask=keep, other=0.0)
+    if COPIES == 1:
+        acc = tl.load(Acc + offs, mask=keep, other=0.0)
+    else:
+        first = offs // HEAD_DIM * (COPIES * HEAD_DIM) + offs % HEAD_DIM
+        acc = tl.load(Acc + first, mask=keep, other=0.0)
+        for c in tl.static_range(1, COPIES):
+            acc += tl.load(Acc + first + c * HEAD_DIM, mask=keep, other=0.0)
     tl.store(DQ + offs, (acc * scale).to(DQ.dtype.element_ty), mask=keep)
 
 
@@ -156,6 +165,120 @@ def _group_step(it, n_m, m_lo, h, bh, kv_group):
     return m_lo + it % n_m, h * kv_group + g, bh * kv_group + g
 
 
+# The deterministic mode (CHAINS > 0). Each query tile's dQ adds go in an order fixed by the key
+# tile, position r of ``_rank``: add r goes into accumulator copy r % CHAINS after add r - CHAINS
+# there (one int32 semaphore per query tile and copy counts them), and the convert kernel sums the
+# copies in order. The CTAs run so that add r - CHAINS comes CHAINS steps before add r, which
+# leaves a CTA CHAINS - 1 steps of slack before it waits for its turn. The consumers still issue
+# their TMA adds (made by the producer, they cost the consumers registers: 16-56 B of spills); the
+# producer warp's lane 0 keeps the turns: it passes one on (release) or spins until one comes
+# (acquire); -1 skips either. Labels are scoped by the braces.
+_TAKE_TURN = gl.constexpr("""{
+.reg .pred p;
+.reg .b32 v;
+.reg .b64 a;
+setp.ne.s32 p, $1, 0;
+@p bra DONE;
+setp.lt.s32 p, $3, 0;
+@p bra WAIT;
+mad.wide.s32 a, $3, 4, $2;
+red.release.gpu.global.add.s32 [a], 1;
+WAIT:
+setp.lt.s32 p, $4, 0;
+@p bra DONE;
+mad.wide.s32 a, $4, 4, $2;
+SPIN:
+ld.acquire.gpu.global.b32 v, [a];
+setp.ne.s32 p, v, $5;
+@p bra SPIN;
+DONE:
+mov.b32 $0, 0;
+}""")
+
+
+@gluon.jit
+def _take_turn(sem_ptr, done, wanted, turn):
+    """In the producer warp: pass on the turn at ``sem_ptr[done]``, then wait until
+    ``sem_ptr[wanted]`` is ``turn``."""
+    lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    gl.inline_asm_elementwise(_TAKE_TURN, "=r,r,l,r,r,r", [lane, sem_ptr, done, wanted, turn], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+# The deterministic mode's hand-shake between the consumers and the producer, by mbarriers: the
+# producer grants step j's turn (``grants`` slot wg * 2 + j % 2) as soon as it has it, ahead of
+# the consumers; the consumers report their adds complete (``dones`` slot j % DONE_SLOTS, both
+# arrive), which the producer waits for a step later to pass the turns on. A consumer arrives on
+# dones at most three steps ahead of the producer's wait.
+DONE_SLOTS = gl.constexpr(4)
+_BULK_COMPLETE = gl.constexpr("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.b32 $0, 0;")
+
+
+@gluon.jit
+def _adds_completed(dones, j):
+    """A consumer warpgroup's report that its TMA adds up to step j - 1 have completed (its issuing
+    thread waits for them, not just for their reads of shared memory)."""
+    lane = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    gl.inline_asm_elementwise(_BULK_COMPLETE, "=r,r", [lane], dtype=gl.int32, is_pure=False, pack=1)
+    mbarrier.arrive(dones.index(j % DONE_SLOTS))
+
+
+@gluon.jit
+def _rotation(n0, seqlen, n_m, BLOCK_M: gl.constexpr):
+    """Deterministic mode without a mask: key tile n of N runs K = BLOCK_N / BLOCK_M virtual query
+    tiles per key tile, K * N of them, from K * (N - 1 - n) on and wrapping around, so side by side
+    the CTAs reach each query tile K steps apart and step t's add is the (t // K)-th into its tile.
+    Returns (first tile, the step whose tile is the virtual one past the last, K * N): a ragged
+    sequence has K * N - 1 query tiles when K is 2."""
+    K: gl.constexpr = BLOCK_N // BLOCK_M
+    n_blocks = gl.cdiv(seqlen, BLOCK_N)
+    n_v = K * n_blocks
+    rot = K * (n_blocks - 1 - n0 // BLOCK_N)
+    t_skip = n_v
+    if n_v > n_m:
+        t_skip = n_v - 1 - rot
+    return rot, t_skip, n_v
+
+
+@gluon.jit
+def _rotated(it, rot, t_skip, n_v):
+    """(virtual step, query tile) of real step ``it`` in ``_rotation``'s order."""
+    t = it + (it >= t_skip).to(gl.int32)
+    m = rot + t
+    return t, m - n_v * (m >= n_v).to(gl.int32)
+
+
+@gluon.jit
+def _rank(m, t, n0, seqlen, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """How many key tiles add into query tile m before this CTA (deterministic mode; t its virtual
+    step there). Causal: from the tile's last key tile down; they run side by side, the later key
+    tiles a step ahead each. Otherwise ``_rotation``'s order."""
+    if CAUSAL:
+        rank = gl.minimum(((m + 1) * BLOCK_M - 1) // BLOCK_N, gl.cdiv(seqlen, BLOCK_N) - 1) - n0 // BLOCK_N
+    else:
+        rank = t // (BLOCK_N // BLOCK_M)
+    return rank
+
+
+@gluon.jit
+def _grant_turn(it, m, rank, grants, sem_ptr, bh, n_m, CHAINS: gl.constexpr):
+    """The producer: wait for step ``it``'s turn (query tile m, ``_rank``) and grant it to both
+    consumers; returns its semaphore."""
+    sem = (bh * n_m + m) * CHAINS + rank % CHAINS
+    _take_turn(sem_ptr, -1, sem, rank // CHAINS)
+    for wg in gl.static_range(2):
+        mbarrier.arrive(grants.index(wg * 2 + it % 2))
+    return sem
+
+
+@gluon.jit
+def _pass_turn(j, sem, dones, sem_ptr):
+    """The producer: once both consumers report the adds before step j complete, pass on the turn
+    of step j - 1 (semaphore ``sem``; -1: none)."""
+    mbarrier.wait(dones.index(j % DONE_SLOTS), (j // DONE_SLOTS) & 1)
+    _take_turn(sem_ptr, sem, -1, 0)
+
+
 @gluon.jit
 def _init_rings(q_ready, q_empty, do_ready, do_empty, STAGES: gl.constexpr):
     """The Q and dO rings' barriers: ready by the producer's TMA, empty by both consumers."""
@@ -169,8 +292,8 @@ def _init_rings(q_ready, q_empty, do_ready, do_empty, STAGES: gl.constexpr):
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
               lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqstart_ptr, seqlen, H, kv_group,
-              left, right, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-              GROUP: gl.constexpr):
+              left, right, sem_ptr, grants, dones, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              WINDOW: gl.constexpr, GROUP: gl.constexpr, CHAINS: gl.constexpr):
     b, h, bh, n0 = _this_program(seqlen, H, BLOCK_N)
     bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
     # Group mode: the grid covers the longest sequence; a CTA past its sequence loads its K/V and
@@ -185,8 +308,16 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_s
     tma.async_copy_global_to_shared(v_desc, [bd, n_k + WG_KEYS, h, 0], kv_bar, v_smem.index(1))
 
     n_m = (m_hi - m_lo) * (n0 < seqlen_b).to(gl.int32)
+    sem = -1  # deterministic mode: the semaphores of the last two steps
+    last_sem = -1
+    rot, t_skip, n_v = _rotation(n0, seqlen_b, m_hi, BLOCK_M)
     for it in range(kv_group * n_m):
         m, hq, bhq = _group_step(it, n_m, m_lo, h, bh, kv_group)
+        if CHAINS > 0:
+            t = it
+            if not CAUSAL:
+                t, m = _rotated(it, rot, t_skip, n_v)
+            rank = _rank(m, t, n0, seqlen_b, BLOCK_M, CAUSAL)
         rows = row_base + m * BLOCK_M
         s = it % STAGES
         ph = ((it // STAGES) & 1) ^ 1  # a fresh mbarrier passes a wait on parity 1 at once
@@ -198,6 +329,16 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_s
         mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(do_desc, [bd, rows, hq, 0], do_ready.index(s), do_bufs.index(s))
         tma.async_copy_global_to_shared(delta_desc, [bhq, m * BLOCK_M], do_ready.index(s), delta_bufs.index(s))
+        if CHAINS > 0:  # this step's turn, then the turn of the step before last passed on
+            before_last = last_sem
+            last_sem = sem
+            sem = _grant_turn(it, m, rank, grants, sem_ptr, bh, m_hi, CHAINS)
+            if it > 0:
+                _pass_turn(it - 1, before_last, dones, sem_ptr)
+    if CHAINS > 0:
+        if n_m > 0:  # the last two steps' turns
+            _pass_turn(n_m - 1, last_sem, dones, sem_ptr)
+            _pass_turn(n_m, sem, dones, sem_ptr)
 
 
 @gluon.jit
@@ -231,10 +372,10 @@ def _keep(keys, rel, seqlen, left, right, CAUSAL: gl.constexpr, WINDOW: gl.const
 @gluon.jit
 def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs,
                    dq_smem, p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc, lse_bufs,
-                   delta_bufs, bd, row_base, h, keys, seqlen, qk_scale, left, right, slope, dk, dv,
-                   sT_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                   ALIBI: gl.constexpr, GROUP: gl.constexpr):
+                   delta_bufs, bd, row_base, h, keys, seqlen, qk_scale, left, right, slope, dk, dv, rank, grants,
+                   dones, sT_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr,
+                   WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr, CHAINS: gl.constexpr):
     dtype: gl.constexpr = q_bufs.dtype
     s = it % STAGES
     ph = (it // STAGES) & 1
@@ -308,13 +449,19 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
     dq = warpgroup_mma_wait(0, deps=[dq])
     mbarrier.arrive(ds_empty.index(buf))
 
+    acc_h = h
+    if CHAINS > 0:  # in its turn (see _TAKE_TURN), into the head's copy rank % CHAINS
+        _adds_completed(dones, it)
+        acc_h = h * CHAINS + rank % CHAINS
     tma.store_wait(0)  # the previous reduction has read dq_smem
     dq_smem.reshape([64, dq.shape[1]]).store(dq)
     fence_async_shared()
+    if CHAINS > 0:
+        mbarrier.wait(grants.index(WG * 2 + it % 2), (it // 2) & 1)
     if BLOCK_M == 128:
-        _tma_reduce_add(dq_desc, [bd, row_base + m0 + WG * 64, h, 0], dq_smem)
+        _tma_reduce_add(dq_desc, [bd, row_base + m0 + WG * 64, acc_h, 0], dq_smem)
     else:
-        _tma_reduce_add(dq_desc, [bd, row_base + m0, h, WG * (HEAD_DIM // 2)], dq_smem)
+        _tma_reduce_add(dq_desc, [bd, row_base + m0, acc_h, WG * (HEAD_DIM // 2)], dq_smem)
     return dk, dv
 
 
@@ -322,23 +469,24 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
 def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs,
               lse_bufs, delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready,
               ds_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale, left, right, alibi_ptr, stride_ab,
-              stride_ah, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
-              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr):
+              stride_ah, grants, dones, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+              DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
+              GROUP: gl.constexpr, CHAINS: gl.constexpr):
     b, h, bh, n0 = _this_program(seqlen, H, BLOCK_N)
     bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
     _consumer_keys(WG, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
                    dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, h, bh, n0, bd,
                    b, row_base, seqlen_b, kv_group, qk_scale, sm_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                   BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP)
+                   grants, dones, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP, CHAINS)
 
 
 @gluon.jit
 def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs,
                    lse_bufs, delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
                    ds_ready, ds_empty, h, bh, n0, bd, b, row_base, seqlen, kv_group, qk_scale, sm_scale, left, right,
-                   alibi_ptr, stride_ab, stride_ah, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   alibi_ptr, stride_ab, stride_ah, grants, dones, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                    STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                   ALIBI: gl.constexpr, GROUP: gl.constexpr):
+                   ALIBI: gl.constexpr, GROUP: gl.constexpr, CHAINS: gl.constexpr):
     """Warpgroup WG's 64 keys of the CTA's key tile; n0, keys and seqlen are the sequence's."""
     dtype: gl.constexpr = q_bufs.dtype
     sT_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -363,16 +511,26 @@ def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, 
     dv = gl.zeros([WG_KEYS, HEAD_DIM], gl.float32, kv_layout)
     n_m = (m_hi - m_lo) * (n0 < seqlen).to(gl.int32)  # none past the sequence (group mode)
     slope = 0.0  # ALiBi's, in log2 units like the scores
+    rot, t_skip, n_v = _rotation(n0, seqlen, m_hi, BLOCK_M)
     for it in range(kv_group * n_m):
         m, hq, _ = _group_step(it, n_m, m_lo, h, bh, kv_group)
+        rank = 0
+        if CHAINS > 0:
+            t = it
+            if not CAUSAL:
+                t, m = _rotated(it, rot, t_skip, n_v)
+            rank = _rank(m, t, n0, seqlen, BLOCK_M, CAUSAL)
         if ALIBI != 0:
             if it % n_m == 0:  # a new query head of the group: its slope
                 slope = gl.load(alibi_ptr + b * stride_ab + hq * stride_ah) * LOG2E
         dk, dv = _consumer_step(WG, it, m, inner_lo, inner_hi, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs,
                                 dq_smem, p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc,
                                 lse_bufs, delta_bufs, bd, row_base, hq, keys, seqlen, qk_scale, left, right, slope,
-                                dk, dv, sT_layout, dq_layout, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW,
-                                ALIBI, GROUP)
+                                dk, dv, rank, grants, dones, sT_layout, dq_layout, BLOCK_M, HEAD_DIM, STAGES,
+                                DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP, CHAINS)
+    if CHAINS > 0:
+        if n_m > 0:
+            _adds_completed(dones, kv_group * n_m)
 
     # Epilogue through this warpgroup's V half: only its own dP^T wgmma read it, all retired. In
     # group mode the rows after a ragged key tile are the next sequence's; this tile's rows there
@@ -401,12 +559,16 @@ def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, 
 # Like the forward: WINDOW, a sliding window of ``left`` keys back and ``right`` ahead (unbounded
 # sides come as 2 * seqlen); ALIBI: 0 none, 1 -slope * |i - j|, 2 slope * j (causal), slopes [B?, H].
 # kv_group stays specialized: 1 (no GQA) compiles the plain loop, every other ratio one more kernel.
+# CHAINS > 0: the deterministic mode (batch mode, no GQA, no window), dQ accumulated in CHAINS
+# copies per head, ``[B, S, H * CHAINS, D]``, with one int32 semaphore per (batch * head, query
+# tile, copy) at ``sem_ptr``, zeroed.
 @gluon.jit(do_not_specialize=["seqlen", "H", "left", "right", "stride_ab", "stride_ah"])
 def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
-                                alibi_ptr, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale, left, right,
-                                stride_ab, stride_ah, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                                DS_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr,
-                                WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr):
+                                alibi_ptr, seqstart_ptr, sem_ptr, seqlen, H, kv_group, qk_scale, sm_scale, left,
+                                right, stride_ab, stride_ah, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                                STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr,
+                                CHAINS: gl.constexpr):
     gl.static_assert(BLOCK_M == 64 or BLOCK_M == 128)
     dtype: gl.constexpr = q_desc.dtype
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
@@ -433,20 +595,33 @@ def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     for i in gl.static_range(DS_BUFS):
         mbarrier.init(ds_ready.index(i), count=2)
         mbarrier.init(ds_empty.index(i), count=2)
+    if CHAINS > 0:  # the deterministic mode's turns (see DONE_SLOTS)
+        grants = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        dones = gl.allocate_shared_memory(gl.int64, [DONE_SLOTS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(4):
+            mbarrier.init(grants.index(i), count=1)
+        for i in gl.static_range(DONE_SLOTS):
+            mbarrier.init(dones.index(i), count=2)
+    else:  # never read
+        grants = ds_ready
+        dones = ds_ready
 
     # One partition per consumer warpgroup (first argument: its index), each with its own barrier.
     gl.warp_specialize([
         (_consumer, (0, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
                       delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready,
                       ds_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale, left, right, alibi_ptr,
-                      stride_ab, stride_ah, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP)),
+                      stride_ab, stride_ah, grants, dones, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW,
+                      ALIBI, GROUP, CHAINS)),
         (_consumer, (1, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
                       delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready,
                       ds_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale, left, right, alibi_ptr,
-                      stride_ab, stride_ah, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP)),
+                      stride_ab, stride_ah, grants, dones, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW,
+                      ALIBI, GROUP, CHAINS)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
                      lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqstart_ptr, seqlen, H,
-                     kv_group, left, right, BLOCK_M, STAGES, CAUSAL, WINDOW, GROUP)),
+                     kv_group, left, right, sem_ptr, grants, dones, BLOCK_M, STAGES, CAUSAL, WINDOW, GROUP,
+                     CHAINS)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 

@@ -205,12 +205,15 @@ def _take_turn(sem_ptr, done, wanted, turn):
                               is_pure=False, pack=1)
 
 
-# The deterministic mode's hand-shake between the consumers and the producer, by mbarriers: the
-# producer grants step j's turn (``grants`` slot wg * 2 + j % 2) as soon as it has it, ahead of
-# the consumers; the consumers report their adds complete (``dones`` slot j % DONE_SLOTS, both
-# arrive), which the producer waits for a step later to pass the turns on. A consumer arrives on
-# dones at most three steps ahead of the producer's wait.
-DONE_SLOTS = gl.constexpr(4)
+# The deterministic mode's hand-shake between the consumers and the producer, by mbarrier rings:
+# the producer grants step j's turn (``grants`` slot wg * TURN_SLOTS + j % TURN_SLOTS) as soon as
+# it has it, ahead of the consumers; the consumers report their adds complete (``dones`` slot
+# j % TURN_SLOTS, both arrive), which the producer waits for a step later to pass the turns on.
+# Each ring runs at most three uses ahead of its waiter: the producer grants step j after the
+# report of step j - 2, which a consumer makes after its wait for the grant of step j - 3; a
+# consumer reports step j after that grant of step j - 1, which follows the producer's wait for
+# the report of step j - 3.
+TURN_SLOTS = gl.constexpr(4)
 _BULK_COMPLETE = gl.constexpr("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.b32 $0, 0;")
 
 
@@ -220,7 +223,7 @@ def _adds_completed(dones, j):
     thread waits for them, not just for their reads of shared memory)."""
     lane = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
     gl.inline_asm_elementwise(_BULK_COMPLETE, "=r,r", [lane], dtype=gl.int32, is_pure=False, pack=1)
-    mbarrier.arrive(dones.index(j % DONE_SLOTS))
+    mbarrier.arrive(dones.index(j % TURN_SLOTS))
 
 
 @gluon.jit
@@ -267,7 +270,7 @@ def _grant_turn(it, m, rank, grants, sem_ptr, bh, n_m, CHAINS: gl.constexpr):
     sem = (bh * n_m + m) * CHAINS + rank % CHAINS
     _take_turn(sem_ptr, -1, sem, rank // CHAINS)
     for wg in gl.static_range(2):
-        mbarrier.arrive(grants.index(wg * 2 + it % 2))
+        mbarrier.arrive(grants.index(wg * TURN_SLOTS + it % TURN_SLOTS))
     return sem
 
 
@@ -275,7 +278,7 @@ def _grant_turn(it, m, rank, grants, sem_ptr, bh, n_m, CHAINS: gl.constexpr):
 def _pass_turn(j, sem, dones, sem_ptr):
     """The producer: once both consumers report the adds before step j complete, pass on the turn
     of step j - 1 (semaphore ``sem``; -1: none)."""
-    mbarrier.wait(dones.index(j % DONE_SLOTS), (j // DONE_SLOTS) & 1)
+    mbarrier.wait(dones.index(j % TURN_SLOTS), (j // TURN_SLOTS) & 1)
     _take_turn(sem_ptr, sem, -1, 0)
 
 
@@ -457,7 +460,7 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
     dq_smem.reshape([64, dq.shape[1]]).store(dq)
     fence_async_shared()
     if CHAINS > 0:
-        mbarrier.wait(grants.index(WG * 2 + it % 2), (it // 2) & 1)
+        mbarrier.wait(grants.index(WG * TURN_SLOTS + it % TURN_SLOTS), (it // TURN_SLOTS) & 1)
     if BLOCK_M == 128:
         _tma_reduce_add(dq_desc, [bd, row_base + m0 + WG * 64, acc_h, 0], dq_smem)
     else:
@@ -595,12 +598,12 @@ def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     for i in gl.static_range(DS_BUFS):
         mbarrier.init(ds_ready.index(i), count=2)
         mbarrier.init(ds_empty.index(i), count=2)
-    if CHAINS > 0:  # the deterministic mode's turns (see DONE_SLOTS)
-        grants = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-        dones = gl.allocate_shared_memory(gl.int64, [DONE_SLOTS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(4):
+    if CHAINS > 0:  # the deterministic mode's turns (see TURN_SLOTS)
+        grants = gl.allocate_shared_memory(gl.int64, [2 * TURN_SLOTS, 1], mbarrier.MBarrierLayout())
+        dones = gl.allocate_shared_memory(gl.int64, [TURN_SLOTS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2 * TURN_SLOTS):
             mbarrier.init(grants.index(i), count=1)
-        for i in gl.static_range(DONE_SLOTS):
+        for i in gl.static_range(TURN_SLOTS):
             mbarrier.init(dones.index(i), count=2)
     else:  # never read
         grants = ds_ready

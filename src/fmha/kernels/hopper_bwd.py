@@ -172,10 +172,14 @@ def _group_step(it, n_m, m_lo, h, bh, kv_group):
 # leaves a CTA CHAINS - 1 steps of slack before it waits for its turn. The consumers still issue
 # their TMA adds (made by the producer, they cost the consumers registers: 16-56 B of spills); the
 # producer warp's lane 0 keeps the turns: it passes one on (release) or spins until one comes
-# (acquire); -1 skips either. Labels are scoped by the braces.
+# (acquire); -1 skips either. A turn may be held by a key tile launched later, which only runs
+# once it has an SM: beside kernels that hold SMs (another stream's, a collective's) the spin waits
+# for them, and after 2^26 reads (tens of seconds) it traps rather than hang for good (two such
+# backwards at once can wait on each other). Labels are scoped by the braces.
 _TAKE_TURN = gl.constexpr("""{
 .reg .pred p;
 .reg .b32 v;
+.reg .b32 n;
 .reg .b64 a;
 setp.ne.s32 p, $1, 0;
 @p bra DONE;
@@ -187,10 +191,15 @@ WAIT:
 setp.lt.s32 p, $4, 0;
 @p bra DONE;
 mad.wide.s32 a, $4, 4, $2;
+mov.b32 n, 0;
 SPIN:
 ld.acquire.gpu.global.b32 v, [a];
-setp.ne.s32 p, v, $5;
+setp.eq.s32 p, v, $5;
+@p bra DONE;
+add.s32 n, n, 1;
+setp.lt.u32 p, n, 67108864;
 @p bra SPIN;
+trap;
 DONE:
 mov.b32 $0, 0;
 }""")

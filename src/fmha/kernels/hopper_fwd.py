@@ -481,10 +481,11 @@ def _produce_and_drop(k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_re
     a producer warp of its own would be padded to a warpgroup (16 warps), which holds the launch to
     128 registers a thread, too few for ptxas at d = 256. Per key tile u the order is K of u + 1,
     the mask of u, V of u + 1:
-    - the mask of u starts once V's slot of u is free (consumer step u - 1 releases it just before
-      it reads mask u - 1), a whole consumer step before step u needs it;
-    - K of u + 1 waits for K's slot, released early in step u - 1, so Philox work never holds K
-      back; V of u + 1 is needed only in step u + 2;
+    - the mask of u starts once V's slot of u is free (consumer step u - STAGES + 1 releases it
+      just before it reads mask u - STAGES + 1), at least a whole consumer step before step u
+      needs it;
+    - K of u + 1 waits for K's slot, released early in step u - STAGES + 1, so Philox work never
+      holds K back; V of u + 1 is needed only in step u + 2;
     - a mask slot needs no release of its own: mask u follows the wait for V's slot of tile u,
       which the consumers release after the PV wgmma of tile u - STAGES, after its mask was read."""
     b, h, m0 = _tile(gl.program_id(0), seqlen, H, tiles, philox_ptr, BLOCK_M, CAUSAL, False, False)  # (no table)

@@ -69,6 +69,16 @@ def _reference(q, k, v, dout, kwargs, dtype):
     return result.out, result.lse, grads
 
 
+def _assert_grads_match_reference(grads, q, k, v, dout, kwargs):
+    """dq, dk, dv finite and against the fp32 reference, within the error of the reference run in
+    q's dtype."""
+    _, _, exact_grads = _reference(q, k, v, dout, kwargs, torch.float32)
+    _, _, low_grads = _reference(q, k, v, dout, kwargs, q.dtype)
+    for name, got, exact, low in zip("qkv", grads, exact_grads, low_grads):
+        assert torch.isfinite(got).all(), f"d{name}"
+        assert max_error(got, exact) <= error_bound(q.dtype, max_error(low, exact)), f"d{name}"
+
+
 def _assert_matches_reference(q, k, v, dout, kwargs):
     """fmha's forward (out, LSE) and gradients against the fp32 reference, within the error of the
     reference run in q's dtype."""
@@ -302,13 +312,8 @@ def test_backward_with_window_or_alibi_against_reference(case):
             0.5, 1.5, batch, device="cuda")[:, None]
     assert hopper.bwd_unsupported(check_inputs(q, k, v, **kwargs), deterministic=False) is None
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    grads = torch.autograd.grad(fmha.attention(*leaves, **kwargs), leaves, dout)
-
-    _, _, exact_grads = _reference(q, k, v, dout, kwargs, torch.float32)
-    _, _, low_grads = _reference(q, k, v, dout, kwargs, dtype)
-    for name, got, exact, low in zip("qkv", grads, exact_grads, low_grads):
-        assert torch.isfinite(got).all(), f"d{name}"
-        assert max_error(got, exact) <= error_bound(dtype, max_error(low, exact)), f"d{name}"
+    _assert_grads_match_reference(torch.autograd.grad(fmha.attention(*leaves, **kwargs), leaves, dout),
+                                  q, k, v, dout, kwargs)
 
 
 # The deterministic backward: dQ's adds in a fixed order over four copies per head. Ragged lengths
@@ -344,10 +349,7 @@ def test_deterministic_backward_repeats_bitwise_and_matches_the_reference(case):
     first = grads()
     for _ in range(2):
         assert all(torch.equal(a, b) for a, b in zip(first, grads()))
-    _, _, exact_grads = _reference(q, k, v, dout, kwargs, torch.float32)
-    _, _, low_grads = _reference(q, k, v, dout, kwargs, dtype)
-    for name, got, exact, low in zip("qkv", first, exact_grads, low_grads):
-        assert max_error(got, exact) <= error_bound(dtype, max_error(low, exact)), f"d{name}"
+    _assert_grads_match_reference(first, q, k, v, dout, kwargs)
 
 
 # The forward with dropout. Exact bytes: with q = 0 every visible key weighs 1/n, and V's rows are

@@ -305,7 +305,6 @@ def fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, 
     """The forward's (kernel, grid, kwargs), in order: in group mode the tile table's, then the
     forward's; ``out`` ``[B, S, H, D]`` (group mode ``[T, H, D]``) and ``lse`` ``[B, H, S]``
     (``[H, T]``) contiguous; ``philox`` the int64 (seed, offset) pair when dropout is on."""
-
     from .kernels.hopper_fwd import ROWS_PER_CONSUMER, attention_fwd_hopper_kernel, hopper_fwd_varlen_schedule
 
     q, k, v = inputs.q, inputs.k, inputs.v
@@ -316,8 +315,10 @@ def fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, 
     cfg = HOPPER_FWD_CONFIGS[head_dim]
     dropout = inputs.dropout_p > 0
     consumers = 2 if dropout else cfg.consumers  # (see HopperFwdConfig's dropout fields)
-    bias_dropout = dropout and inputs.bias is not None
-    block_n = cfg.bias_dropout_block_n if bias_dropout else cfg.block_n
+    if dropout and inputs.bias is not None:  # (see HopperFwdConfig.bias_dropout_block_n)
+        block_n, stages = cfg.bias_dropout_block_n, cfg.bias_dropout_stages
+    else:
+        block_n, stages = cfg.block_n, cfg.stages
     rows = ROWS_PER_CONSUMER.value
     block_m = rows * consumers
     launches = []
@@ -346,7 +347,7 @@ def fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, 
         seqstart_ptr=inputs.seqstart_q if inputs.group else lse, table_ptr=table, seqlen=seqlen, H=nhead,
         kv_group=inputs.nhead_q // inputs.nhead_k, tiles=tiles, qk_scale=inputs.scale * LOG2E,
         stride_os=out.stride(1), stride_oh=out.stride(2), lse_stride_b=lse_strides[0], lse_stride_h=lse_strides[1],
-        BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=cfg.bias_dropout_stages if bias_dropout else cfg.stages, NUM_CONSUMERS=consumers,
+        BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=stages, NUM_CONSUMERS=consumers,
         CONSUMER_REGS=cfg.dropout_consumer_regs if dropout else cfg.consumer_regs,
         CAUSAL=inputs.mask.is_causal, GROUP=inputs.group, PERSISTENT=persistent, num_warps=4,
         maxnreg=DROPOUT_MAXNREG if dropout else cfg.maxnreg, **features, **_dropout_args(inputs, philox, lse),

@@ -183,9 +183,10 @@ def test_forward_with_window_or_alibi_against_reference(case):
     _assert_matches_reference(q, k, v, dout, kwargs)
 
 
-# The forward with an elementwise bias (through the K ring by TMA; the backward then runs the
-# portable kernels from the fast forward's LSE): every broadcast form TMA reads, a causal mask,
-# ragged lengths, d = 128/256, and -inf entries, whole rows of them included (O = 0, LSE = -inf).
+# The forward with an elementwise bias (through the K ring by TMA; the backward runs the fast
+# kernels at d = 128 without dropout, except under a causal mask with GQA, else the portable ones
+# from the fast forward's LSE): every broadcast form TMA reads, a causal mask, ragged lengths,
+# d = 128/256, and -inf entries, whole rows of them included (O = 0, LSE = -inf).
 # Lengths are multiples of 8 (TMA wants 16-byte row strides; others stay portable) but not of the
 # tiles; "pad" rows are a view of wider rows (row stride != seqlen).
 # With dropout too (p > 0) the keys come in tiles of 64 (HopperFwdConfig.bias_dropout_block_n).
@@ -217,7 +218,10 @@ def test_forward_with_bias_against_reference(case):
         full[..., 5, :] = -float("inf")  # a row that sees nothing
     bias = full.to("cuda", dtype)[..., :seqlen]  # sliced on the device: the padded row stride stays
     kwargs = dict(mask=mask, dropout_p=p, **DROPOUT_SEEDS) if p else dict(mask=mask)
-    assert hopper.fwd_unsupported(check_inputs(q, k, v, bias=bias, **kwargs)) is None
+    inputs = check_inputs(q, k, v, bias=bias, **kwargs)
+    assert hopper.fwd_unsupported(inputs) is None
+    fast_bwd = head_dim == 128 and not p and not (mask == "t" and nhead != nhead_k)
+    assert (hopper.bwd_unsupported(inputs, deterministic=False) is None) == fast_bwd
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     result = fmha.fwd(*leaves, bias=bias, **kwargs, return_lse=True)
     grads = torch.autograd.grad(fmha.attention(*leaves, bias=bias, **kwargs), leaves, dout)
@@ -232,6 +236,43 @@ def test_forward_with_bias_against_reference(case):
         assert torch.all(result.out[:, 5] == 0) and torch.all(result.lse[..., 5] == -float("inf"))
     for name, got, exact, low in zip("qkv", grads, exact_grads, low_grads):
         assert max_error(got, exact) <= error_bound(dtype, max_error(low, exact)), f"d{name}"
+
+
+# The fast backward with an elementwise bias (no gradient of it): its [queries, keys] tiles read
+# transposed into S^T's start. d = 64/128, every broadcast form, a padded row stride, causal,
+# GQA (under a causal mask at d = 64 only), ragged lengths, -inf entries and a row of them.
+# (batch, seqlen, nhead_q, nhead_k, head_dim, mask, bias shape, -inf entries, dtype)
+BWD_BIAS_CASES = [
+    (2, 1000, 4, 4, 64, None, "hss", False, torch.bfloat16),
+    (2, 776, 4, 4, 64, "t", "bhss", True, torch.float16),
+    (1, 1496, 4, 2, 64, "t", "ss", False, torch.bfloat16),
+    (2, 1000, 4, 4, 128, "t", "hss", True, torch.bfloat16),
+    (2, 520, 8, 2, 128, None, "bhss-pad", False, torch.bfloat16),
+    (3, 264, 2, 2, 128, None, "bhss", True, torch.float16),
+]
+
+
+@pytest.mark.parametrize("case", BWD_BIAS_CASES, ids=[
+    f"s{c[1]}-h{c[2]}/{c[3]}-d{c[4]}-{c[5] or 'n'}-{c[6]}{'-inf' if c[7] else ''}-{str(c[8])[6:]}"
+    for c in BWD_BIAS_CASES])
+def test_backward_with_bias_against_reference(case):
+    batch, seqlen, nhead, nhead_k, head_dim, mask, form, with_inf, dtype = case
+    q, k, v, dout, _ = _problem((batch, seqlen, nhead, nhead_k, head_dim, mask, dtype, "bshd"))
+    g = torch.Generator().manual_seed(11)
+    rows = {"ss": (seqlen,), "hss": (nhead, seqlen), "bhss": (batch, nhead, seqlen),
+            "bhss-pad": (batch, nhead, seqlen)}[form]
+    full = 2 * torch.randn(*rows, seqlen + (40 if form == "bhss-pad" else 0), generator=g)
+    if with_inf:
+        full[torch.rand(full.shape, generator=g) < 0.3] = -float("inf")
+        full[..., 70, :] = -float("inf")  # a row that sees nothing: P = 0, every gradient of it 0
+    bias = full.to("cuda", dtype)[..., :seqlen]
+    kwargs = dict(mask=mask, bias=bias)
+    assert hopper.bwd_unsupported(check_inputs(q, k, v, **kwargs), deterministic=False) is None
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    grads = torch.autograd.grad(fmha.attention(*leaves, **kwargs), leaves, dout)
+    if with_inf:
+        assert torch.all(grads[0][:, 70] == 0)
+    _assert_grads_match_reference(grads, q, k, v, dout, kwargs)
 
 
 # Group (varlen) mode on the fast path: queries and keys share one seqstart. Sequences of one

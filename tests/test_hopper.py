@@ -248,8 +248,37 @@ def test_the_forward_takes_a_bias_that_tma_can_read(monkeypatch, bias_shape):
     _on_cuda(monkeypatch)
     inputs = _inputs(bias=torch.empty(bias_shape, dtype=torch.bfloat16))
     assert hopper.fwd_unsupported(inputs) is None
-    assert hopper.bwd_unsupported(inputs, deterministic=False) == "elementwise bias"
+    assert hopper.bwd_unsupported(inputs, deterministic=False) is None
     assert not hopper.fwd_persistent(inputs)
+
+
+@pytest.mark.parametrize("head_dim, kwargs, reason", [
+    (128, dict(bias_grad=True), "the gradient of an elementwise bias"),
+    (128, dict(deterministic=True), "deterministic mode with an elementwise bias"),
+    (256, {}, "elementwise bias at head dim 256"),
+    (128, dict(mask="t", nhead_k=2), "an elementwise bias with GQA/MQA under a causal mask at head dim 128"),
+    (64, dict(mask="t", nhead_k=2), None),
+    (128, dict(nhead_k=2), None),
+])
+def test_which_biases_the_fast_backward_takes(monkeypatch, head_dim, kwargs, reason):
+    _on_cuda(monkeypatch)
+    kwargs = dict(kwargs)
+    selection = {key: kwargs.pop(key) for key in ("bias_grad", "deterministic") if key in kwargs}
+    inputs = _inputs(head_dim=head_dim, bias=torch.empty(4, 64, 64, dtype=torch.bfloat16), **kwargs)
+    assert hopper.bwd_unsupported(inputs, **{"deterministic": False, **selection}) == reason
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_backward_reads_the_bias_in_64_row_query_tiles(head_dim):
+    bias = torch.empty(4, 1000, 1000, dtype=torch.bfloat16)  # [H, S, S], broadcast over the batch
+    q = torch.empty(2, 1000, 4, head_dim, dtype=torch.bfloat16)
+    inputs = check_inputs(q, q, q, bias=bias)
+    grads = [torch.empty_like(q) for _ in range(3)]
+    _, (_, _, kwargs), _ = hopper.bwd_launches(inputs, torch.empty_like(q), torch.empty_like(q),
+                                               torch.empty(inputs.lse_shape), *grads)
+    assert kwargs["BIAS"] and kwargs["BLOCK_M"] == 64 and (kwargs["bias_step_b"], kwargs["bias_step_h"]) == (0, 1)
+    assert kwargs["bias_desc"].shape == [1, 4, 1000, 1000]
+    assert kwargs["bias_desc"].block_shape == [1, 1, 64, 64]
 
 
 @pytest.mark.parametrize("kwargs, reason", [

@@ -204,6 +204,10 @@ class HopperBwdConfig:
     # kernels; see hopper_bwd's ``_rank``): with more a CTA has more steps of slack before it
     # waits for its turn to add.
     deterministic_chains: int = 0
+    # An elementwise bias (without its gradient) on the fast path: one slot of [block_m, 64] bias
+    # tiles per warpgroup beside the rings, in the feature query tile (its shared memory must fit).
+    bias: bool = False
+    bias_causal_gqa: bool = True  # ... under a causal mask with GQA/MQA too
 
     def block_m_for(self, features: bool) -> int:
         return self.feature_block_m if features and self.feature_block_m else self.block_m
@@ -212,8 +216,9 @@ class HopperBwdConfig:
 HOPPER_BWD_CONFIGS: dict[int, HopperBwdConfig] = {
     # 437 TFLOP/s at s=16k (bf16); 128-row query tiles spill in group mode and with a window and
     # ALiBi (24 and 8 B), 64-row ones do not
-    64: HopperBwdConfig(128, 2, 2, 240, 168, feature_block_m=64, deterministic_chains=4),
-    128: HopperBwdConfig(64, 2, 2, 240, 168, deterministic_chains=4),  # 475 at s=16k
+    64: HopperBwdConfig(128, 2, 2, 240, 168, feature_block_m=64, deterministic_chains=4, bias=True),
+    # 475 at s=16k; with a bias, GQA and a causal mask the consumers spill 28 B
+    128: HopperBwdConfig(64, 2, 2, 240, 168, deterministic_chains=4, bias=True, bias_causal_gqa=False),
     # one P/dS tile pair (ds_bufs 1); 308 at s=16k
     256: HopperBwdConfig(64, 2, 1, 240, 168, dq_cols=32, windows_and_alibi=False),
 }

@@ -148,10 +148,21 @@ def fwd_unsupported(inputs: AttentionInputs) -> str | None:
     return reason
 
 
-def bwd_unsupported(inputs: AttentionInputs, deterministic: bool) -> str | None:
-    """Why the Hopper backward does not run this problem, or None."""
+def bwd_unsupported(inputs: AttentionInputs, deterministic: bool, bias_grad: bool = False) -> str | None:
+    """Why the Hopper backward does not run this problem, or None; ``bias_grad``: the bias's
+    gradient is wanted too."""
     reason = device_unsupported(inputs.q.device) or _problem_reason(
-        inputs, HOPPER_BWD_CONFIGS, windows_and_alibi=True, group=True)
+        inputs, HOPPER_BWD_CONFIGS, windows_and_alibi=True, group=True, bias=True)
+    if reason is None and inputs.bias is not None:
+        if bias_grad:
+            reason = "the gradient of an elementwise bias"
+        elif not HOPPER_BWD_CONFIGS[inputs.head_dim_q].bias:
+            reason = f"elementwise bias at head dim {inputs.head_dim_q}"
+        elif (inputs.mask.is_causal and inputs.nhead_q != inputs.nhead_k
+              and not HOPPER_BWD_CONFIGS[inputs.head_dim_q].bias_causal_gqa):
+            reason = f"an elementwise bias with GQA/MQA under a causal mask at head dim {inputs.head_dim_q}"
+        elif deterministic:
+            reason = "deterministic mode with an elementwise bias"
     if reason is None and not HOPPER_BWD_CONFIGS[inputs.head_dim_q].windows_and_alibi:
         # everything else passed: what is left to refuse is a window, ALiBi or group mode
         reason = _problem_reason(inputs, HOPPER_BWD_CONFIGS)
@@ -261,9 +272,9 @@ def _sm_count(index: int) -> int:
 
 
 def _bias_args(inputs: AttentionInputs, rows: int, block_n: int) -> dict:
-    """The forward's bias arguments: a descriptor over ``[B or 1, H or 1, S, S]`` with boxes
-    ``[1, 1, rows, block_n]``, and the coordinate step of batch and head (0 where the bias is
-    broadcast); without a bias the K descriptor stands in (never read)."""
+    """The bias arguments of the forward and the narrow backward: a descriptor over ``[B or 1,
+    H or 1, S, S]`` with boxes ``[1, 1, rows, block_n]``, and the coordinate step of batch and head
+    (0 where the bias is broadcast); without a bias the K descriptor stands in (never read)."""
     bias = inputs.bias
     if bias is None:
         return dict(BIAS=False, bias_step_b=0, bias_step_h=0)
@@ -417,24 +428,27 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
         main = (attention_bwd_hopper_wide_kernel, (cdiv(seqlen, WIDE_KEYS.value) * batch * nhead_k,), wide)
     else:
         features = _window_and_alibi_args(inputs, neg_lse)
-        block_m = cfg.block_m_for(inputs.group or features["WINDOW"] or features["ALIBI"] != 0)
+        block_m = cfg.block_m_for(inputs.group or features["WINDOW"] or features["ALIBI"] != 0
+                                  or inputs.bias is not None)
         dq_cols = head_dim if block_m == 128 else head_dim // 2
         # deterministic: one turn counter per (batch * head, query tile, dQ copy)
         sems = torch.zeros((batch * nhead, cdiv(seqlen, block_m), chains), dtype=torch.int32,
                            device=q.device) if chains else neg_lse  # (atomic: never read)
+        k_desc = _desc(k, BLOCK_N.value, head_dim)
         narrow = dict(
-            q_desc=_desc(q, block_m, head_dim), k_desc=_desc(k, BLOCK_N.value, head_dim),
+            q_desc=_desc(q, block_m, head_dim), k_desc=k_desc, bias_desc=k_desc,
             v_desc=_desc(v, WG_KEYS.value, head_dim), do_desc=_desc(dout, block_m, head_dim),
             dk_desc=_desc(dk, WG_KEYS.value, head_dim), dv_desc=_desc(dv, WG_KEYS.value, head_dim),
             dq_desc=_desc(dq_acc, 64, dq_cols, swizzle=False), lse_desc=_stat_desc(neg_lse, block_m),
             delta_desc=_stat_desc(neg_delta, block_m),
             seqstart_ptr=inputs.seqstart_q if inputs.group else neg_lse,
-            sem_ptr=sems, seqlen=seqlen, H=nhead_k,
-            kv_group=kv_group, qk_scale=inputs.scale * LOG2E, sm_scale=inputs.scale, BLOCK_M=block_m,
+            sem_ptr=sems, seqlen=seqlen, H=nhead_k, kv_group=kv_group, qk_scale=inputs.scale * LOG2E,
+            sm_scale=inputs.scale, inv_scale=1.0 / inputs.scale, BLOCK_M=block_m,
             HEAD_DIM=head_dim, STAGES=cfg.stages, DS_BUFS=cfg.ds_bufs, CONSUMER_REGS=cfg.consumer_regs,
             CAUSAL=inputs.mask.is_causal, GROUP=inputs.group, CHAINS=chains, num_warps=4, maxnreg=cfg.maxnreg,
             **features,
         )
+        narrow.update(_bias_args(inputs, block_m, WG_KEYS.value))
         main = (attention_bwd_hopper_kernel, (cdiv(seqlen, BLOCK_N.value) * batch * nhead_k,), narrow)
     return [
         (hopper_bwd_preprocess, (seqlen_pad // STAT_PAD * batch * nhead,), preprocess),

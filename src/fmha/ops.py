@@ -310,7 +310,7 @@ def bwd_launches(
     grads = (dq, dk, dv, dbias_full)
     if no_queries:
         return [], grads
-    if hopper.bwd_unsupported(inputs, deterministic) is None:
+    if hopper.bwd_unsupported(inputs, deterministic, bias_grad) is None:
         return [Launch(*entry) for entry in hopper.bwd_launches(inputs, dout, out, lse, dq, dk, dv,
                                                                 deterministic)], grads
 

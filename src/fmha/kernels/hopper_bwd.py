@@ -21,7 +21,8 @@ head dim between the warpgroups instead): one CTA per (128-key tile, batch * hea
 
 A sliding window (``WINDOW``) visits only the query tiles whose rows see some of the CTA's keys,
 masked at both edges; ALiBi (``ALIBI``) adds its term to the exponent of P^T (the LSE folded into
-S^T already holds it; dS^T needs nothing more).
+S^T already holds it; dS^T needs nothing more); an elementwise bias (``BIAS``, no gradient of it)
+joins -lse in the start of S^T, its tile streamed per step by the producer.
 
 Tensors are addressed like the forward's: 4-D descriptors over ``[B, S, H, D]``, boxes
 ``[1, rows, 1, cols]``, rows past the sequence zero-filled on load and clipped on store.
@@ -82,9 +83,10 @@ def hopper_bwd_preprocess(O, DO, Lse, NegDelta, NegLse, Seqstart, seqlen, seqlen
                  mask=ok[:, None], other=0.0).to(tl.float32)
     lse = tl.load(Lse + b.to(tl.int64) * stride_lb + h * stride_lh + start + rows, mask=ok, other=float("inf"))
     pad = bh.to(tl.int64) * seqlen_pad + rows
-    # Negated: they are the initial values of the S^T and dP^T accumulators.
+    # Negated: they are the initial values of the S^T and dP^T accumulators. A row that sees no
+    # key (a bias of -inf over all of them: lse = -inf) gets -inf too, so its P stays 0.
     tl.store(NegDelta + pad, tl.where(ok, -tl.sum(o * do, 1), 0.0))
-    tl.store(NegLse + pad, -lse * inv_scale)
+    tl.store(NegLse + pad, tl.where(lse == -float("inf"), -float("inf"), -lse * inv_scale))
 
 
 @triton.jit
@@ -302,10 +304,11 @@ def _init_rings(q_ready, q_empty, do_ready, do_empty, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
-              lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqstart_ptr, seqlen, H, kv_group,
-              left, right, sem_ptr, grants, dones, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              WINDOW: gl.constexpr, GROUP: gl.constexpr, CHAINS: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, bias_desc, k_smem, v_smem, q_bufs, do_bufs,
+              lse_bufs, delta_bufs, bias_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, bias_ready, bias_empty,
+              seqstart_ptr, seqlen, H, kv_group, left, right, bias_step_b, bias_step_h, sem_ptr, grants, dones,
+              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+              GROUP: gl.constexpr, BIAS: gl.constexpr, CHAINS: gl.constexpr):
     b, h, bh, n0 = _this_program(seqlen, H, BLOCK_N)
     bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
     # Group mode: the grid covers the longest sequence; a CTA past its sequence loads its K/V and
@@ -341,6 +344,13 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_s
         mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(do_desc, [bd, rows, hq, 0], do_ready.index(s), do_bufs.index(s))
         tma.async_copy_global_to_shared(delta_desc, [bhq, m * BLOCK_M], do_ready.index(s), delta_bufs.index(s))
+        if BIAS:  # one slot: both consumers read theirs into registers as their step starts
+            mbarrier.wait(bias_empty.index(0), (it & 1) ^ 1)
+            mbarrier.expect(bias_ready.index(0), 2 * bias_desc.block_type.nbytes)
+            for wg in gl.static_range(2):
+                tma.async_copy_global_to_shared(bias_desc, [b * bias_step_b, hq * bias_step_h, m * BLOCK_M,
+                                                            n0 + wg * WG_KEYS], bias_ready.index(0),
+                                                bias_bufs.index(wg))
         if CHAINS > 0:  # this step's turn, then the turn of the step before last passed on
             before_last = last_sem
             last_sem = sem
@@ -382,12 +392,29 @@ def _keep(keys, rel, seqlen, left, right, CAUSAL: gl.constexpr, WINDOW: gl.const
 
 
 @gluon.jit
+def _scores_start(WG: gl.constexpr, it, s, lse_bufs, bias_bufs, bias_ready, bias_empty, inv_scale,
+                  sT_layout: gl.constexpr, BLOCK_M: gl.constexpr, BIAS: gl.constexpr):
+    """S^T's initial value: -lse / scale per query, and with a bias this warpgroup's [queries,
+    keys] tile of it, read transposed, over scale: exp2 of S^T * scale * log2 e is then P^T."""
+    neg_lse = lse_bufs.index(s).load(sT_layout)
+    if BIAS:
+        mbarrier.wait(bias_ready.index(0), it & 1)
+        bias_t = bias_bufs.index(WG).reshape([BLOCK_M, WG_KEYS]).permute((1, 0)).load(sT_layout)
+        mbarrier.arrive(bias_empty.index(0))  # in registers: the producer may load the next step's
+        start = bias_t.to(gl.float32) * inv_scale + neg_lse
+    else:
+        start = gl.zeros([WG_KEYS, BLOCK_M], gl.float32, sT_layout) + neg_lse
+    return start
+
+
+@gluon.jit
 def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs,
                    dq_smem, p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc, lse_bufs,
-                   delta_bufs, bd, row_base, h, keys, seqlen, qk_scale, left, right, slope, dk, dv, rank, grants,
-                   dones, sT_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr,
-                   WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr, CHAINS: gl.constexpr):
+                   delta_bufs, bias_bufs, bias_ready, bias_empty, bd, row_base, h, keys, seqlen, qk_scale, inv_scale,
+                   left, right, slope, dk, dv, rank, grants, dones, sT_layout: gl.constexpr,
+                   dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                   DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
+                   GROUP: gl.constexpr, BIAS: gl.constexpr, CHAINS: gl.constexpr):
     dtype: gl.constexpr = q_bufs.dtype
     s = it % STAGES
     ph = (it // STAGES) & 1
@@ -397,9 +424,9 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
     # each that would otherwise stay live); they come from the ring slot, loaded with Q and dO.
     mbarrier.wait(q_ready.index(s), ph)
     q_s = q_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
-    neg_lse = lse_bufs.index(s).load(sT_layout)
-    sT = warpgroup_mma(k_w, q_s.permute((1, 0)), gl.zeros([WG_KEYS, BLOCK_M], gl.float32, sT_layout) + neg_lse,
-                       is_async=True)
+    sT_start = _scores_start(WG, it, s, lse_bufs, bias_bufs, bias_ready, bias_empty, inv_scale, sT_layout, BLOCK_M,
+                             BIAS)
+    sT = warpgroup_mma(k_w, q_s.permute((1, 0)), sT_start, is_async=True)
     mbarrier.wait(do_ready.index(s), ph)
     do_s = do_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
     neg_delta = delta_bufs.index(s).load(sT_layout)
@@ -479,26 +506,29 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs,
-              lse_bufs, delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready,
-              ds_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale, left, right, alibi_ptr, stride_ab,
-              stride_ah, grants, dones, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
-              GROUP: gl.constexpr, CHAINS: gl.constexpr):
+              lse_bufs, delta_bufs, ds_bufs, dq_bufs, p_bufs, bias_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
+              ds_ready, ds_empty, bias_ready, bias_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale,
+              inv_scale, left, right, alibi_ptr, stride_ab, stride_ah, grants, dones, BLOCK_M: gl.constexpr,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr,
+              WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr, BIAS: gl.constexpr,
+              CHAINS: gl.constexpr):
     b, h, bh, n0 = _this_program(seqlen, H, BLOCK_N)
     bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
     _consumer_keys(WG, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
-                   dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, h, bh, n0, bd,
-                   b, row_base, seqlen_b, kv_group, qk_scale, sm_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                   grants, dones, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP, CHAINS)
+                   dq_bufs, p_bufs, bias_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty,
+                   bias_ready, bias_empty, h, bh, n0, bd, b, row_base, seqlen_b, kv_group, qk_scale, sm_scale,
+                   inv_scale, left, right, alibi_ptr, stride_ab, stride_ah, grants, dones, BLOCK_M, HEAD_DIM, STAGES,
+                   DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP, BIAS, CHAINS)
 
 
 @gluon.jit
 def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs,
-                   lse_bufs, delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
-                   ds_ready, ds_empty, h, bh, n0, bd, b, row_base, seqlen, kv_group, qk_scale, sm_scale, left, right,
-                   alibi_ptr, stride_ab, stride_ah, grants, dones, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                   ALIBI: gl.constexpr, GROUP: gl.constexpr, CHAINS: gl.constexpr):
+                   lse_bufs, delta_bufs, ds_bufs, dq_bufs, p_bufs, bias_bufs, kv_bar, q_ready, q_empty, do_ready,
+                   do_empty, ds_ready, ds_empty, bias_ready, bias_empty, h, bh, n0, bd, b, row_base, seqlen, kv_group,
+                   qk_scale, sm_scale, inv_scale, left, right, alibi_ptr, stride_ab, stride_ah, grants, dones,
+                   BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
+                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr,
+                   BIAS: gl.constexpr, CHAINS: gl.constexpr):
     """Warpgroup WG's 64 keys of the CTA's key tile; n0, keys and seqlen are the sequence's."""
     dtype: gl.constexpr = q_bufs.dtype
     sT_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -537,9 +567,10 @@ def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, 
                 slope = gl.load(alibi_ptr + b * stride_ab + hq * stride_ah) * LOG2E
         dk, dv = _consumer_step(WG, it, m, inner_lo, inner_hi, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs,
                                 dq_smem, p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc,
-                                lse_bufs, delta_bufs, bd, row_base, hq, keys, seqlen, qk_scale, left, right, slope,
-                                dk, dv, rank, grants, dones, sT_layout, dq_layout, BLOCK_M, HEAD_DIM, STAGES,
-                                DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP, CHAINS)
+                                lse_bufs, delta_bufs, bias_bufs, bias_ready, bias_empty, bd, row_base, hq, keys,
+                                seqlen, qk_scale, inv_scale, left, right, slope, dk, dv, rank, grants, dones,
+                                sT_layout, dq_layout, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI,
+                                GROUP, BIAS, CHAINS)
     if CHAINS > 0:
         if n_m > 0:
             _adds_completed(dones, kv_group * n_m)
@@ -574,12 +605,16 @@ def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, 
 # CHAINS > 0: the deterministic mode (batch mode, no GQA, no window), dQ accumulated in CHAINS
 # copies per head, ``[B, S, H * CHAINS, D]``, with one int32 semaphore per (batch * head, query
 # tile, copy) at ``sem_ptr``, zeroed.
-@gluon.jit(do_not_specialize=["seqlen", "H", "left", "right", "stride_ab", "stride_ah"])
+# BIAS: an elementwise bias (batch mode, no window or ALiBi; its gradient is the portable kernels')
+# through ``bias_desc`` over ``[B or 1, H or 1, S, S]``, boxes ``[1, 1, BLOCK_M, 64]``, coordinates
+# as the forward's; else ``bias_desc`` stands in as k_desc. ``inv_scale`` is 1 / sm_scale.
+@gluon.jit(do_not_specialize=["seqlen", "H", "left", "right", "stride_ab", "stride_ah", "bias_step_b", "bias_step_h"])
 def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
-                                alibi_ptr, seqstart_ptr, sem_ptr, seqlen, H, kv_group, qk_scale, sm_scale, left,
-                                right, stride_ab, stride_ah, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                                STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr,
+                                bias_desc, alibi_ptr, seqstart_ptr, sem_ptr, seqlen, H, kv_group, qk_scale, sm_scale,
+                                inv_scale, left, right, stride_ab, stride_ah, bias_step_b, bias_step_h,
+                                BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                                DS_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr,
+                                WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr, BIAS: gl.constexpr,
                                 CHAINS: gl.constexpr):
     gl.static_assert(BLOCK_M == 64 or BLOCK_M == 128)
     dtype: gl.constexpr = q_desc.dtype
@@ -617,23 +652,33 @@ def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     else:  # never read
         grants = ds_ready
         dones = ds_ready
+    if BIAS:  # one slot of both warpgroups' [BLOCK_M, 64] tiles: ready by TMA, empty by both consumers
+        bias_bufs = gl.allocate_shared_memory(dtype, [2] + bias_desc.block_type.shape, bias_desc.layout)
+        bias_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        bias_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(bias_ready.index(0), count=1)
+        mbarrier.init(bias_empty.index(0), count=2)
+    else:  # never read
+        bias_bufs = p_bufs
+        bias_ready = ds_ready
+        bias_empty = ds_ready
 
     # One partition per consumer warpgroup (first argument: its index), each with its own barrier.
     gl.warp_specialize([
         (_consumer, (0, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
-                      delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready,
-                      ds_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale, left, right, alibi_ptr,
-                      stride_ab, stride_ah, grants, dones, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW,
-                      ALIBI, GROUP, CHAINS)),
+                      delta_bufs, ds_bufs, dq_bufs, p_bufs, bias_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
+                      ds_ready, ds_empty, bias_ready, bias_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale,
+                      sm_scale, inv_scale, left, right, alibi_ptr, stride_ab, stride_ah, grants, dones, BLOCK_M,
+                      HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP, BIAS, CHAINS)),
         (_consumer, (1, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
-                      delta_bufs, ds_bufs, dq_bufs, p_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready,
-                      ds_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale, left, right, alibi_ptr,
-                      stride_ab, stride_ah, grants, dones, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW,
-                      ALIBI, GROUP, CHAINS)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_bufs, do_bufs,
-                     lse_bufs, delta_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, seqstart_ptr, seqlen, H,
-                     kv_group, left, right, sem_ptr, grants, dones, BLOCK_M, STAGES, CAUSAL, WINDOW, GROUP,
-                     CHAINS)),
+                      delta_bufs, ds_bufs, dq_bufs, p_bufs, bias_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
+                      ds_ready, ds_empty, bias_ready, bias_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale,
+                      sm_scale, inv_scale, left, right, alibi_ptr, stride_ab, stride_ah, grants, dones, BLOCK_M,
+                      HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP, BIAS, CHAINS)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, bias_desc, k_smem, v_smem, q_bufs,
+                     do_bufs, lse_bufs, delta_bufs, bias_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
+                     bias_ready, bias_empty, seqstart_ptr, seqlen, H, kv_group, left, right, bias_step_b,
+                     bias_step_h, sem_ptr, grants, dones, BLOCK_M, STAGES, CAUSAL, WINDOW, GROUP, BIAS, CHAINS)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 

@@ -132,11 +132,21 @@ class _FakeDriver:
         return torch.device("cpu")
 
 
+# Triton 3.6's interpreter patches triton.language's builtins for each kernel it runs, and for a
+# library function a kernel calls (tl.sum, tl.cdiv) it never restores them: a real compile after
+# such a kernel fails unless its cache is warm. Taken at collection, before any kernel runs.
+_LANGUAGE_BUILTINS = [(owner, name, member) for owner in (tl, tl.core, tl.math, tl.tensor,
+                                                         tl.core.tensor_descriptor_base)
+                      for name, member in vars(owner).items() if tl.core.is_builtin(member)]
+
+
 @pytest.fixture
 def fake_gpu(monkeypatch):
     import fmha.launch
     from triton.runtime.driver import driver
 
+    for owner, name, member in _LANGUAGE_BUILTINS:
+        monkeypatch.setattr(owner, name, member)
     monkeypatch.setattr(fmha.launch, "INTERPRET", False)
     monkeypatch.setattr(driver, "_active", _FakeDriver())  # (restored afterwards as it was)
     _RecordingLauncher.calls.clear()

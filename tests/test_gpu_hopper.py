@@ -5,11 +5,14 @@ Run on an H100/H200 with ``python -m pytest tests/test_gpu_hopper.py``; skipped 
 portable kernels cover the same semantics there).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 import fmha
 from fmha import hopper
+from fmha.configs import HOPPER_BWD_CONFIGS
 from fmha.inputs import check_inputs
 from fmha.testing import error_bound, max_error, random_qkv, random_varlen
 
@@ -238,9 +241,10 @@ def test_forward_with_bias_against_reference(case):
         assert max_error(got, exact) <= error_bound(dtype, max_error(low, exact)), f"d{name}"
 
 
-# The fast backward with an elementwise bias (no gradient of it): its [queries, keys] tiles read
-# transposed into S^T's start. d = 64/128, every broadcast form, a padded row stride, causal,
-# GQA (under a causal mask at d = 64 only), ragged lengths, -inf entries and a row of them.
+# The fast backward with an elementwise bias, with and without its gradient: its [queries, keys]
+# tiles read transposed into S^T's start, dS^T stored as dBias^T. d = 64/128, every broadcast form
+# (dbias summed over the broadcast dims), a padded row stride, causal, GQA (under a causal mask at
+# d = 64 only), ragged lengths, -inf entries and a row of them.
 # (batch, seqlen, nhead_q, nhead_k, head_dim, mask, bias shape, -inf entries, dtype)
 BWD_BIAS_CASES = [
     (2, 1000, 4, 4, 64, None, "hss", False, torch.bfloat16),
@@ -252,11 +256,15 @@ BWD_BIAS_CASES = [
 ]
 
 
+@pytest.mark.parametrize("with_grad", [False, True], ids=["no-dbias", "dbias"])
 @pytest.mark.parametrize("case", BWD_BIAS_CASES, ids=[
     f"s{c[1]}-h{c[2]}/{c[3]}-d{c[4]}-{c[5] or 'n'}-{c[6]}{'-inf' if c[7] else ''}-{str(c[8])[6:]}"
     for c in BWD_BIAS_CASES])
-def test_backward_with_bias_against_reference(case):
+def test_backward_with_bias_against_reference(monkeypatch, case, with_grad):
     batch, seqlen, nhead, nhead_k, head_dim, mask, form, with_inf, dtype = case
+    # the fast path's bias gradient is off by default (HopperBwdConfig.bias_grad): on here
+    monkeypatch.setitem(HOPPER_BWD_CONFIGS, head_dim, dataclasses.replace(HOPPER_BWD_CONFIGS[head_dim],
+                                                                          bias_grad=True))
     q, k, v, dout, _ = _problem((batch, seqlen, nhead, nhead_k, head_dim, mask, dtype, "bshd"))
     g = torch.Generator().manual_seed(11)
     rows = {"ss": (seqlen,), "hss": (nhead, seqlen), "bhss": (batch, nhead, seqlen),
@@ -265,14 +273,23 @@ def test_backward_with_bias_against_reference(case):
     if with_inf:
         full[torch.rand(full.shape, generator=g) < 0.3] = -float("inf")
         full[..., 70, :] = -float("inf")  # a row that sees nothing: P = 0, every gradient of it 0
-    bias = full.to("cuda", dtype)[..., :seqlen]
-    kwargs = dict(mask=mask, bias=bias)
-    assert hopper.bwd_unsupported(check_inputs(q, k, v, **kwargs), deterministic=False) is None
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    grads = torch.autograd.grad(fmha.attention(*leaves, **kwargs), leaves, dout)
+    bias = full.to("cuda", dtype)[..., :seqlen].requires_grad_(with_grad)
+    assert hopper.bwd_unsupported(check_inputs(q, k, v, mask=mask, bias=bias), False, with_grad) is None
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)] + ([bias] if with_grad else [])
+    grads = torch.autograd.grad(fmha.attention(*leaves[:3], mask=mask, bias=bias), leaves, dout)
     if with_inf:
         assert torch.all(grads[0][:, 70] == 0)
-    _assert_grads_match_reference(grads, q, k, v, dout, kwargs)
+    kwargs = dict(mask=mask, bias=bias.detach())
+    _assert_grads_match_reference(grads[:3], q, k, v, dout, kwargs)
+    if with_grad:
+        def reference_dbias(compute):
+            inputs = [t.detach().to(compute).requires_grad_() for t in (q, k, v, bias)]
+            out = fmha.reference.attention(*inputs[:3], mask=mask, bias=inputs[3], compute_dtype=compute).out
+            return torch.autograd.grad(out, inputs[3], dout.to(compute))[0]
+
+        exact, low = reference_dbias(torch.float32), reference_dbias(dtype)
+        assert grads[3].shape == bias.shape and torch.isfinite(grads[3]).all()
+        assert max_error(grads[3], exact) <= error_bound(dtype, max_error(low, exact))
 
 
 # Group (varlen) mode on the fast path: queries and keys share one seqstart. Sequences of one

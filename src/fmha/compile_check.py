@@ -13,6 +13,7 @@ largest shipped tiles that way, tests/test_compile.py).
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -164,7 +165,7 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
     the head dim has a backward config; the forward and the backward's main kernel also with ALiBi
     (and without a causal mask a sliding window with ALiBi) where they take it, and in group mode;
     the forward with a bias, and with dropout (alone, with ALiBi, with a bias), the backward
-    with a bias (alone and with GQA) and the deterministic backward (alone and with ALiBi), where
+    with a bias (alone and with GQA, each with and without its gradient) and the deterministic backward (alone and with ALiBi), where
     its config takes them."""
     prefix = _hopper_name(dtype, head_dim, causal)
     q = torch.empty(2, 1000, 4, head_dim, dtype=dtype)  # a ragged length: nothing specializes on it
@@ -224,16 +225,18 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
             _, (kernel, grid, kwargs), _ = hopper.bwd_launches(with_alibi, torch.empty_like(q), out, lse, *grads)
             results.append(_compile(f"{prefix} bwd {kernel.__name__} {alibi}", kernel, grid, kwargs))
         bwd_cfg = HOPPER_BWD_CONFIGS[head_dim]
-        if bwd_cfg.bias:  # a [H, S, S] bias; with GQA 2:1 (the grouped loop) where the config takes it
-            bias = torch.empty(4, 1000, 1000, dtype=dtype)
+        if bwd_cfg.bias:  # a [H, S, S] bias, with and without its gradient; with GQA 2:1 (the grouped
+            bias = torch.empty(4, 1000, 1000, dtype=dtype)  # loop) too where the config takes it
+            dbias_t = torch.empty(2, 4, 1000, 1000, dtype=dtype)
             biased_cases = [("bias", k, grads[1:])]
             if bwd_cfg.bias_causal_gqa or not causal:
                 biased_cases.append(("gqa bias", kv, [torch.empty_like(kv)] * 2))
-            for name, kv_in, kv_grads in biased_cases:
+            for (name, kv_in, kv_grads), with_grad in itertools.product(biased_cases, (False, True)):
                 biased = check_inputs(q, kv_in, kv_in, mask="t" if causal else None, bias=bias)
                 _, (kernel, grid, kwargs), _ = hopper.bwd_launches(biased, torch.empty_like(q), out, lse, grads[0],
-                                                                   *kv_grads)
-                results.append(_compile(f"{prefix} bwd {kernel.__name__} {name}", kernel, grid, kwargs))
+                                                                   *kv_grads, dbias_t=dbias_t if with_grad else None)
+                results.append(_compile(f"{prefix} bwd {kernel.__name__} {name}{' dbias' if with_grad else ''}",
+                                        kernel, grid, kwargs))
         if HOPPER_BWD_CONFIGS[head_dim].deterministic_chains:  # (its other two kernels are the same)
             alibi_only = check_inputs(q, k, v, mask="t" if causal else None, alibi_slopes=torch.ones(4))
             for name, problem in (("deterministic", inputs), ("alibi deterministic", alibi_only)):

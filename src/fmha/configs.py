@@ -208,6 +208,9 @@ class HopperBwdConfig:
     # tiles per warpgroup beside the rings, in the feature query tile (its shared memory must fit).
     bias: bool = False
     bias_causal_gqa: bool = True  # ... under a causal mask with GQA/MQA too
+    # ... with its gradient: dS^T stored by the producer into a transposed buffer, then transposed
+    # (the kernel measured 0.95 of the one without; off until the transposing reduction is timed)
+    bias_grad: bool = False
 
     def block_m_for(self, features: bool) -> int:
         return self.feature_block_m if features and self.feature_block_m else self.block_m

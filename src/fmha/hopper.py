@@ -154,15 +154,15 @@ def bwd_unsupported(inputs: AttentionInputs, deterministic: bool, bias_grad: boo
     reason = device_unsupported(inputs.q.device) or _problem_reason(
         inputs, HOPPER_BWD_CONFIGS, windows_and_alibi=True, group=True, bias=True)
     if reason is None and inputs.bias is not None:
-        if bias_grad:
-            reason = "the gradient of an elementwise bias"
-        elif not HOPPER_BWD_CONFIGS[inputs.head_dim_q].bias:
+        if not HOPPER_BWD_CONFIGS[inputs.head_dim_q].bias:
             reason = f"elementwise bias at head dim {inputs.head_dim_q}"
         elif (inputs.mask.is_causal and inputs.nhead_q != inputs.nhead_k
               and not HOPPER_BWD_CONFIGS[inputs.head_dim_q].bias_causal_gqa):
             reason = f"an elementwise bias with GQA/MQA under a causal mask at head dim {inputs.head_dim_q}"
         elif deterministic:
             reason = "deterministic mode with an elementwise bias"
+        elif bias_grad and not HOPPER_BWD_CONFIGS[inputs.head_dim_q].bias_grad:
+            reason = f"the gradient of an elementwise bias at head dim {inputs.head_dim_q}"
     if reason is None and not HOPPER_BWD_CONFIGS[inputs.head_dim_q].windows_and_alibi:
         # everything else passed: what is left to refuse is a window, ALiBi or group mode
         reason = _problem_reason(inputs, HOPPER_BWD_CONFIGS)
@@ -239,6 +239,11 @@ def _desc(t: torch.Tensor, rows: int, cols: int, swizzle: bool = True):
     """A TMA descriptor over a ``[B, S, H, D]`` tensor with its own strides, box ``[1, rows, 1, cols]``."""
     block = (1, rows, 1, cols)
     return _tma_desc(t, list(t.shape), list(t.stride()), block, _smem_layout(block, t.dtype, swizzle))
+
+
+def _desc_4d(t: torch.Tensor, block: tuple[int, ...]):
+    """A TMA descriptor over a 4-D tensor with its own strides and this box."""
+    return _tma_desc(t, list(t.shape), list(t.stride()), block, _smem_layout(block, t.dtype, True))
 
 
 def _stat_desc(t: torch.Tensor, block_m: int):
@@ -368,10 +373,13 @@ def fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, 
 
 
 def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                 dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, deterministic: bool = False):
+                 dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, deterministic: bool = False,
+                 dbias_t: torch.Tensor | None = None):
     """The backward's three (kernel, grid, kwargs), in order; dq, dk, dv contiguous ``[B, S, H, D]``
     (group mode ``[T, H, D]``, dk and dv zeroed: the kernel adds into them). ``deterministic``:
-    dQ's adds in a fixed order (where ``bwd_unsupported`` allows it)."""
+    dQ's adds in a fixed order (where ``bwd_unsupported`` allows it). ``dbias_t``: the bias's
+    gradient is wanted, into this contiguous ``[B, Hq, S_k, S_q]`` tensor of q's dtype (its
+    transpose is dS; zeroed under a causal mask, whose tiles above the diagonal never run)."""
     from .kernels.hopper_bwd import (
         BLOCK_N,
         STAT_PAD,
@@ -449,6 +457,9 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
             **features,
         )
         narrow.update(_bias_args(inputs, block_m, WG_KEYS.value))
+        narrow.update(dbias_desc=k_desc, DBIAS=dbias_t is not None)
+        if dbias_t is not None:
+            narrow["dbias_desc"] = _desc_4d(dbias_t, (1, 1, BLOCK_N.value, block_m))
         main = (attention_bwd_hopper_kernel, (cdiv(seqlen, BLOCK_N.value) * batch * nhead_k,), narrow)
     return [
         (hopper_bwd_preprocess, (seqlen_pad // STAT_PAD * batch * nhead,), preprocess),

@@ -17,6 +17,7 @@ from .kernels.bwd_convert_dq import attention_bwd_convert_dq_kernel
 from .kernels.bwd_dot_do_o import attention_bwd_dot_do_o_kernel
 from .kernels.bwd_dq_dk_dv import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
 from .kernels.fwd import attention_fwd_kernel
+from .kernels.transpose import transpose_last_two_kernel
 from .launch import cdiv, launch
 from .masks import MaskType
 
@@ -65,6 +66,7 @@ def alibi_mode(inputs: AttentionInputs) -> tuple[int, int]:
 # vectors: without those hints on the strides the kernels load element by element, spill heavily,
 # and on Triton 3.6 / sm_90 have read out of range (benchmarks/NOTES.md, 2026-11-30).
 STRIDE_ALIGNMENT = 16
+TRANSPOSE_BLOCK = 64  # tile side of transposed_last_two
 
 
 def is_kernel_layout(t: torch.Tensor) -> bool:
@@ -304,15 +306,21 @@ def bwd_launches(
     dk = (torch.zeros if padded_k else torch.empty)(k.shape, dtype=k.dtype, device=device)
     dv = (torch.zeros if padded_k else torch.empty)(v.shape, dtype=v.dtype, device=device)
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dbias_full = None
-    if bias_grad:
+    fast = not no_queries and hopper.bwd_unsupported(inputs, deterministic, bias_grad) is None
+    dbias_full = dbias_t = None
+    if bias_grad and fast:  # dS in q's dtype, written transposed (see hopper.bwd_launches)
+        batch, nhead, seqlen_q, seqlen_k = inputs.bias.shape
+        dbias_t = (torch.zeros if inputs.mask.is_causal else torch.empty)(
+            (batch, nhead, seqlen_k, seqlen_q), dtype=q.dtype, device=device)
+        dbias_full = dbias_t.transpose(-1, -2)
+    elif bias_grad:
         dbias_full = torch.zeros(inputs.bias.shape, dtype=acc_dtype, device=device)
     grads = (dq, dk, dv, dbias_full)
     if no_queries:
         return [], grads
-    if hopper.bwd_unsupported(inputs, deterministic, bias_grad) is None:
+    if fast:
         return [Launch(*entry) for entry in hopper.bwd_launches(inputs, dout, out, lse, dq, dk, dv,
-                                                                deterministic)], grads
+                                                                deterministic, dbias_t)], grads
 
     cfg = bwd_config(q.dtype, inputs.head_dim_q, inputs.head_dim_v, has_bias=inputs.bias is not None,
                      has_dropout=inputs.dropout_p > 0)
@@ -396,7 +404,27 @@ def _dq_accumulator(inputs: AttentionInputs, dtype: torch.dtype, block_dq: int, 
 
 
 def _reduce_dbias(inputs: AttentionInputs, dbias_full: torch.Tensor | None) -> torch.Tensor | None:
-    """Sum the per-(batch, head, row, key) gradient over the bias's broadcast dims (fixed order)."""
+    """Sum the per-(batch, head, row, key) gradient over the bias's broadcast dims (fixed order).
+    The Hopper backward's is the transpose of a contiguous ``[B, H, S_k, S_q]`` buffer: summed
+    there (contiguous), then transposed into a contiguous gradient (reading the strided view
+    directly runs ~10x slower)."""
     if dbias_full is None:
         return None
+    if dbias_full.stride(-2) == 1 and dbias_full.stride(-1) != 1:
+        *lead, rows, keys = inputs.bias_shape  # the fast path's bias has full rows and keys
+        summed = dbias_full.transpose(-1, -2).sum_to_size(*lead, keys, rows).contiguous()
+        return transposed_last_two(summed).to(inputs.bias_dtype)
     return dbias_full.sum_to_size(inputs.bias_shape).to(inputs.bias_dtype)
+
+
+def transposed_last_two(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t.transpose(-1, -2)`` for a contiguous ``t`` of at least 2 dims."""
+    *lead, rows, cols = t.shape
+    out = t.new_empty((*lead, cols, rows))
+    count = t.numel() // max(rows * cols, 1)
+    if t.numel():
+        block = TRANSPOSE_BLOCK
+        tiles_r, tiles_c = cdiv(rows, block), cdiv(cols, block)
+        launch(transpose_last_two_kernel, (count * tiles_r * tiles_c,), dict(
+            Src=t, Dst=out, rows=rows, cols=cols, tiles_r=tiles_r, tiles_c=tiles_c, BLOCK=block, num_warps=4))
+    return out

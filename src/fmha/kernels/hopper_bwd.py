@@ -294,6 +294,21 @@ def _pass_turn(j, sem, dones, sem_ptr):
 
 
 @gluon.jit
+def _store_dbias(j, m_lo, n_m, h, bh, kv_group, bd, n0, dbias_desc, ds_bufs, ds_ready, ds_empty, BLOCK_M: gl.constexpr,
+                 DS_BUFS: gl.constexpr):
+    """The producer: once both consumers wrote step j's dS^T tile, store it (it is dBias^T) and,
+    once the store has read it, release the tile to the consumers (ds_empty's third arrive)."""
+    m, hq, _ = _group_step(j, n_m, m_lo, h, bh, kv_group)
+    buf = j % DS_BUFS
+    mbarrier.wait(ds_ready.index(buf), (j // DS_BUFS) & 1)
+    ds_buf = ds_bufs.index(buf)
+    tma.async_copy_shared_to_global(dbias_desc, [bd, hq, n0, m * BLOCK_M],
+                                    ds_buf.reshape([1, 1] + ds_buf.type.shape))
+    tma.store_wait(0)
+    mbarrier.arrive(ds_empty.index(buf))
+
+
+@gluon.jit
 def _init_rings(q_ready, q_empty, do_ready, do_empty, STAGES: gl.constexpr):
     """The Q and dO rings' barriers: ready by the producer's TMA, empty by both consumers."""
     for i in gl.static_range(STAGES):
@@ -304,11 +319,12 @@ def _init_rings(q_ready, q_empty, do_ready, do_empty, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, bias_desc, k_smem, v_smem, q_bufs, do_bufs,
-              lse_bufs, delta_bufs, bias_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, bias_ready, bias_empty,
-              seqstart_ptr, seqlen, H, kv_group, left, right, bias_step_b, bias_step_h, sem_ptr, grants, dones,
-              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-              GROUP: gl.constexpr, BIAS: gl.constexpr, CHAINS: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, bias_desc, dbias_desc, k_smem, v_smem, q_bufs,
+              do_bufs, lse_bufs, delta_bufs, bias_bufs, ds_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
+              bias_ready, bias_empty, ds_ready, ds_empty, seqstart_ptr, seqlen, H, kv_group, left, right, bias_step_b,
+              bias_step_h, sem_ptr, grants, dones, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+              DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, GROUP: gl.constexpr,
+              BIAS: gl.constexpr, DBIAS: gl.constexpr, CHAINS: gl.constexpr):
     b, h, bh, n0 = _this_program(seqlen, H, BLOCK_N)
     bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
     # Group mode: the grid covers the longest sequence; a CTA past its sequence loads its K/V and
@@ -351,12 +367,20 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, bias_desc, 
                 tma.async_copy_global_to_shared(bias_desc, [b * bias_step_b, hq * bias_step_h, m * BLOCK_M,
                                                             n0 + wg * WG_KEYS], bias_ready.index(0),
                                                 bias_bufs.index(wg))
+        if DBIAS:
+            if it > 0:  # the step before's dS^T (its Q slot came back for this step's load: it is near)
+                _store_dbias(it - 1, m_lo, n_m, h, bh, kv_group, bd, n0, dbias_desc, ds_bufs, ds_ready, ds_empty,
+                             BLOCK_M, DS_BUFS)
         if CHAINS > 0:  # this step's turn, then the turn of the step before last passed on
             before_last = last_sem
             last_sem = sem
             sem = _grant_turn(it, m, rank, grants, sem_ptr, bh, m_hi, CHAINS)
             if it > 0:
                 _pass_turn(it - 1, before_last, dones, sem_ptr)
+    if DBIAS:
+        if n_m > 0:
+            _store_dbias(kv_group * n_m - 1, m_lo, n_m, h, bh, kv_group, bd, n0, dbias_desc, ds_bufs, ds_ready,
+                         ds_empty, BLOCK_M, DS_BUFS)
     if CHAINS > 0:
         if n_m > 0:  # the last two steps' turns
             _pass_turn(n_m - 1, last_sem, dones, sem_ptr)
@@ -605,17 +629,19 @@ def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, 
 # CHAINS > 0: the deterministic mode (batch mode, no GQA, no window), dQ accumulated in CHAINS
 # copies per head, ``[B, S, H * CHAINS, D]``, with one int32 semaphore per (batch * head, query
 # tile, copy) at ``sem_ptr``, zeroed.
-# BIAS: an elementwise bias (batch mode, no window or ALiBi; its gradient is the portable kernels')
-# through ``bias_desc`` over ``[B or 1, H or 1, S, S]``, boxes ``[1, 1, BLOCK_M, 64]``, coordinates
-# as the forward's; else ``bias_desc`` stands in as k_desc. ``inv_scale`` is 1 / sm_scale.
+# BIAS: an elementwise bias (batch mode, no window or ALiBi) through ``bias_desc`` over ``[B or 1,
+# H or 1, S, S]``, boxes ``[1, 1, BLOCK_M, 64]``, coordinates as the forward's; else ``bias_desc``
+# stands in as k_desc. ``inv_scale`` is 1 / sm_scale. DBIAS: its gradient dS, in q's dtype through
+# ``dbias_desc`` over a ``[B, H, S_k, S_q]`` buffer (transposed: the dS^T tiles as they are in
+# shared memory), boxes ``[1, 1, 128, BLOCK_M]``; else ``dbias_desc`` stands in as k_desc.
 @gluon.jit(do_not_specialize=["seqlen", "H", "left", "right", "stride_ab", "stride_ah", "bias_step_b", "bias_step_h"])
 def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
-                                bias_desc, alibi_ptr, seqstart_ptr, sem_ptr, seqlen, H, kv_group, qk_scale, sm_scale,
+                                bias_desc, dbias_desc, alibi_ptr, seqstart_ptr, sem_ptr, seqlen, H, kv_group, qk_scale, sm_scale,
                                 inv_scale, left, right, stride_ab, stride_ah, bias_step_b, bias_step_h,
                                 BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                                 DS_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr,
                                 WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr, BIAS: gl.constexpr,
-                                CHAINS: gl.constexpr):
+                                DBIAS: gl.constexpr, CHAINS: gl.constexpr):
     gl.static_assert(BLOCK_M == 64 or BLOCK_M == 128)
     dtype: gl.constexpr = q_desc.dtype
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
@@ -641,7 +667,7 @@ def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     _init_rings(q_ready, q_empty, do_ready, do_empty, STAGES)
     for i in gl.static_range(DS_BUFS):
         mbarrier.init(ds_ready.index(i), count=2)
-        mbarrier.init(ds_empty.index(i), count=2)
+        mbarrier.init(ds_empty.index(i), count=3 if DBIAS else 2)  # DBIAS: the producer's store read it too
     if CHAINS > 0:  # the deterministic mode's turns (see TURN_SLOTS)
         grants = gl.allocate_shared_memory(gl.int64, [2 * TURN_SLOTS, 1], mbarrier.MBarrierLayout())
         dones = gl.allocate_shared_memory(gl.int64, [TURN_SLOTS, 1], mbarrier.MBarrierLayout())
@@ -675,10 +701,11 @@ def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                       ds_ready, ds_empty, bias_ready, bias_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale,
                       sm_scale, inv_scale, left, right, alibi_ptr, stride_ab, stride_ah, grants, dones, BLOCK_M,
                       HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP, BIAS, CHAINS)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, bias_desc, k_smem, v_smem, q_bufs,
-                     do_bufs, lse_bufs, delta_bufs, bias_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
-                     bias_ready, bias_empty, seqstart_ptr, seqlen, H, kv_group, left, right, bias_step_b,
-                     bias_step_h, sem_ptr, grants, dones, BLOCK_M, STAGES, CAUSAL, WINDOW, GROUP, BIAS, CHAINS)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, bias_desc, dbias_desc, k_smem, v_smem,
+                     q_bufs, do_bufs, lse_bufs, delta_bufs, bias_bufs, ds_bufs, kv_bar, q_ready, q_empty, do_ready,
+                     do_empty, bias_ready, bias_empty, ds_ready, ds_empty, seqstart_ptr, seqlen, H, kv_group, left,
+                     right, bias_step_b, bias_step_h, sem_ptr, grants, dones, BLOCK_M, STAGES, DS_BUFS, CAUSAL,
+                     WINDOW, GROUP, BIAS, DBIAS, CHAINS)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 

@@ -165,8 +165,8 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
     the head dim has a backward config; the forward and the backward's main kernel also with ALiBi
     (and without a causal mask a sliding window with ALiBi) where they take it, and in group mode;
     the forward with a bias, and with dropout (alone, with ALiBi, with a bias), the backward
-    with a bias (alone and with GQA, each with and without its gradient) and the deterministic backward (alone and with ALiBi), where
-    its config takes them."""
+    with a bias (alone and with GQA, each with and without its gradient) and the deterministic
+    backward (alone and with ALiBi), where its config takes them."""
     prefix = _hopper_name(dtype, head_dim, causal)
     q = torch.empty(2, 1000, 4, head_dim, dtype=dtype)  # a ragged length: nothing specializes on it
     k, v = torch.empty_like(q), torch.empty_like(q)

@@ -636,9 +636,9 @@ def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, 
 # shared memory), boxes ``[1, 1, 128, BLOCK_M]``; else ``dbias_desc`` stands in as k_desc.
 @gluon.jit(do_not_specialize=["seqlen", "H", "left", "right", "stride_ab", "stride_ah", "bias_step_b", "bias_step_h"])
 def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
-                                bias_desc, dbias_desc, alibi_ptr, seqstart_ptr, sem_ptr, seqlen, H, kv_group, qk_scale, sm_scale,
-                                inv_scale, left, right, stride_ab, stride_ah, bias_step_b, bias_step_h,
-                                BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                                bias_desc, dbias_desc, alibi_ptr, seqstart_ptr, sem_ptr, seqlen, H, kv_group,
+                                qk_scale, sm_scale, inv_scale, left, right, stride_ab, stride_ah, bias_step_b,
+                                bias_step_h, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                                 DS_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr,
                                 WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr, BIAS: gl.constexpr,
                                 DBIAS: gl.constexpr, CHAINS: gl.constexpr):

@@ -186,6 +186,20 @@ def test_forward_with_window_or_alibi_against_reference(case):
     _assert_matches_reference(q, k, v, dout, kwargs)
 
 
+def _bias(form, batch, nhead, seqlen, dtype, seed, pad, inf_share, inf_row, magnitude=1):
+    """A random bias of ``form`` ("ss", "hss", "bhss", or "bhss-pad": a view of rows ``pad`` keys
+    wider, sliced on the device so the row stride stays), with ``inf_share`` of its entries and the
+    whole row ``inf_row`` -inf when ``inf_share`` is not 0."""
+    g = torch.Generator().manual_seed(seed)
+    rows = {"ss": (seqlen,), "hss": (nhead, seqlen), "bhss": (batch, nhead, seqlen),
+            "bhss-pad": (batch, nhead, seqlen)}[form]
+    full = magnitude * torch.randn(*rows, seqlen + (pad if form == "bhss-pad" else 0), generator=g)
+    if inf_share:
+        full[torch.rand(full.shape, generator=g) < inf_share] = -float("inf")
+        full[..., inf_row, :] = -float("inf")  # a row that sees nothing
+    return full.to("cuda", dtype)[..., :seqlen]
+
+
 # The forward with an elementwise bias (through the K ring by TMA; the backward runs the fast
 # kernels at d = 128 without dropout, except under a causal mask with GQA, else the portable ones
 # from the fast forward's LSE): every broadcast form TMA reads, a causal mask, ragged lengths,
@@ -212,14 +226,7 @@ BIAS_CASES = [
 def test_forward_with_bias_against_reference(case):
     batch, seqlen, nhead, nhead_k, head_dim, mask, form, with_inf, dtype, p = case
     q, k, v, dout, _ = _problem((batch, seqlen, nhead, nhead_k, head_dim, mask, dtype, "bshd"))
-    g = torch.Generator().manual_seed(7)
-    rows = {"ss": (seqlen,), "hss": (nhead, seqlen), "bhss": (batch, nhead, seqlen),
-            "bhss-pad": (batch, nhead, seqlen)}[form]
-    full = torch.randn(*rows, seqlen + (24 if form == "bhss-pad" else 0), generator=g)
-    if with_inf:
-        full[torch.rand(full.shape, generator=g) < 0.2] = -float("inf")
-        full[..., 5, :] = -float("inf")  # a row that sees nothing
-    bias = full.to("cuda", dtype)[..., :seqlen]  # sliced on the device: the padded row stride stays
+    bias = _bias(form, batch, nhead, seqlen, dtype, seed=7, pad=24, inf_share=0.2 if with_inf else 0, inf_row=5)
     kwargs = dict(mask=mask, dropout_p=p, **DROPOUT_SEEDS) if p else dict(mask=mask)
     inputs = check_inputs(q, k, v, bias=bias, **kwargs)
     assert hopper.fwd_unsupported(inputs) is None
@@ -266,14 +273,9 @@ def test_backward_with_bias_against_reference(monkeypatch, case, with_grad):
     monkeypatch.setitem(HOPPER_BWD_CONFIGS, head_dim, dataclasses.replace(HOPPER_BWD_CONFIGS[head_dim],
                                                                           bias_grad=True))
     q, k, v, dout, _ = _problem((batch, seqlen, nhead, nhead_k, head_dim, mask, dtype, "bshd"))
-    g = torch.Generator().manual_seed(11)
-    rows = {"ss": (seqlen,), "hss": (nhead, seqlen), "bhss": (batch, nhead, seqlen),
-            "bhss-pad": (batch, nhead, seqlen)}[form]
-    full = 2 * torch.randn(*rows, seqlen + (40 if form == "bhss-pad" else 0), generator=g)
-    if with_inf:
-        full[torch.rand(full.shape, generator=g) < 0.3] = -float("inf")
-        full[..., 70, :] = -float("inf")  # a row that sees nothing: P = 0, every gradient of it 0
-    bias = full.to("cuda", dtype)[..., :seqlen].requires_grad_(with_grad)
+    # with -inf entries, row 70 sees nothing: P = 0, every gradient of it 0
+    bias = _bias(form, batch, nhead, seqlen, dtype, seed=11, pad=40, inf_share=0.3 if with_inf else 0, inf_row=70,
+                 magnitude=2).requires_grad_(with_grad)
     assert hopper.bwd_unsupported(check_inputs(q, k, v, mask=mask, bias=bias), False, with_grad) is None
     leaves = [t.detach().requires_grad_() for t in (q, k, v)] + ([bias] if with_grad else [])
     grads = torch.autograd.grad(fmha.attention(*leaves[:3], mask=mask, bias=bias), leaves, dout)

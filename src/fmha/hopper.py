@@ -154,14 +154,14 @@ def bwd_unsupported(inputs: AttentionInputs, deterministic: bool, bias_grad: boo
     reason = device_unsupported(inputs.q.device) or _problem_reason(
         inputs, HOPPER_BWD_CONFIGS, windows_and_alibi=True, group=True, bias=True)
     if reason is None and inputs.bias is not None:
-        if not HOPPER_BWD_CONFIGS[inputs.head_dim_q].bias:
+        cfg = HOPPER_BWD_CONFIGS[inputs.head_dim_q]
+        if not cfg.bias:
             reason = f"elementwise bias at head dim {inputs.head_dim_q}"
-        elif (inputs.mask.is_causal and inputs.nhead_q != inputs.nhead_k
-              and not HOPPER_BWD_CONFIGS[inputs.head_dim_q].bias_causal_gqa):
+        elif inputs.mask.is_causal and inputs.nhead_q != inputs.nhead_k and not cfg.bias_causal_gqa:
             reason = f"an elementwise bias with GQA/MQA under a causal mask at head dim {inputs.head_dim_q}"
         elif deterministic:
             reason = "deterministic mode with an elementwise bias"
-        elif bias_grad and not HOPPER_BWD_CONFIGS[inputs.head_dim_q].bias_grad:
+        elif bias_grad and not cfg.bias_grad:
             reason = f"the gradient of an elementwise bias at head dim {inputs.head_dim_q}"
     if reason is None and not HOPPER_BWD_CONFIGS[inputs.head_dim_q].windows_and_alibi:
         # everything else passed: what is left to refuse is a window, ALiBi or group mode
@@ -237,13 +237,12 @@ def _tma_desc(base: torch.Tensor, shape: list[int], strides: list[int], block: t
 
 def _desc(t: torch.Tensor, rows: int, cols: int, swizzle: bool = True):
     """A TMA descriptor over a ``[B, S, H, D]`` tensor with its own strides, box ``[1, rows, 1, cols]``."""
-    block = (1, rows, 1, cols)
+    return _box_desc(t, (1, rows, 1, cols), swizzle)
+
+
+def _box_desc(t: torch.Tensor, block: tuple[int, ...], swizzle: bool = True):
+    """A TMA descriptor over ``t`` with its own shape and strides and this box."""
     return _tma_desc(t, list(t.shape), list(t.stride()), block, _smem_layout(block, t.dtype, swizzle))
-
-
-def _desc_4d(t: torch.Tensor, block: tuple[int, ...]):
-    """A TMA descriptor over a 4-D tensor with its own strides and this box."""
-    return _tma_desc(t, list(t.shape), list(t.stride()), block, _smem_layout(block, t.dtype, True))
 
 
 def _stat_desc(t: torch.Tensor, block_m: int):
@@ -459,7 +458,7 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
         narrow.update(_bias_args(inputs, block_m, WG_KEYS.value))
         narrow.update(dbias_desc=k_desc, DBIAS=dbias_t is not None)
         if dbias_t is not None:
-            narrow["dbias_desc"] = _desc_4d(dbias_t, (1, 1, BLOCK_N.value, block_m))
+            narrow["dbias_desc"] = _box_desc(dbias_t, (1, 1, BLOCK_N.value, block_m))
         main = (attention_bwd_hopper_kernel, (cdiv(seqlen, BLOCK_N.value) * batch * nhead_k,), narrow)
     return [
         (hopper_bwd_preprocess, (seqlen_pad // STAT_PAD * batch * nhead,), preprocess),

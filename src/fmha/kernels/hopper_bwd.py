@@ -21,8 +21,9 @@ head dim between the warpgroups instead): one CTA per (128-key tile, batch * hea
 
 A sliding window (``WINDOW``) visits only the query tiles whose rows see some of the CTA's keys,
 masked at both edges; ALiBi (``ALIBI``) adds its term to the exponent of P^T (the LSE folded into
-S^T already holds it; dS^T needs nothing more); an elementwise bias (``BIAS``, no gradient of it)
-joins -lse in the start of S^T, its tile streamed per step by the producer.
+S^T already holds it; dS^T needs nothing more); an elementwise bias (``BIAS``) joins -lse in the
+start of S^T, its tile streamed per step by the producer, which also stores dS^T, its gradient,
+where asked (``DBIAS``).
 
 Tensors are addressed like the forward's: 4-D descriptors over ``[B, S, H, D]``, boxes
 ``[1, rows, 1, cols]``, rows past the sequence zero-filled on load and clipped on store.

@@ -286,19 +286,19 @@ def test_backward_frees_the_inputs_it_saved(device, gen):
 
 
 @pytest.mark.parametrize("shape", [(3, 70, 130), (1, 2, 64, 64), (5, 1), (0, 4, 4)])
-def test_transposed_last_two_copies_the_transpose(shape):
-    t = torch.randn(shape).to(torch.bfloat16)
+def test_transposed_last_two_copies_the_transpose(shape, device):
+    t = torch.randn(shape).to(device=device, dtype=torch.bfloat16)
     got = ops.transposed_last_two(t)
     assert got.is_contiguous() and torch.equal(got, t.transpose(-1, -2))
 
 
 @pytest.mark.parametrize("bias_shape", [(2, 3, 70, 90), (3, 70, 90), (70, 90), (1, 3, 70, 90)])
-def test_dbias_from_a_transposed_buffer_is_reduced_like_the_plain_one(bias_shape):
+def test_dbias_from_a_transposed_buffer_is_reduced_like_the_plain_one(bias_shape, device):
     """The Hopper backward's dS is the transpose of a contiguous [B, H, S_k, S_q] buffer."""
-    q = torch.empty(2, 70, 3, 16, dtype=torch.bfloat16)
-    k = torch.empty(2, 90, 3, 16, dtype=torch.bfloat16)
-    inputs = check_inputs(q, k, k, bias=torch.empty(bias_shape, dtype=torch.bfloat16))
-    full = torch.randn(2, 3, 70, 90).to(torch.bfloat16)
+    q = torch.empty(2, 70, 3, 16, dtype=torch.bfloat16, device=device)
+    k = torch.empty(2, 90, 3, 16, dtype=torch.bfloat16, device=device)
+    inputs = check_inputs(q, k, k, bias=torch.empty(bias_shape, dtype=torch.bfloat16, device=device))
+    full = torch.randn(2, 3, 70, 90).to(device=device, dtype=torch.bfloat16)
     transposed_buffer = full.transpose(-1, -2).contiguous()
     got = ops._reduce_dbias(inputs, transposed_buffer.transpose(-1, -2))
     assert got.is_contiguous() and torch.equal(got, full.sum_to_size(bias_shape))

@@ -5,14 +5,11 @@ Run on an H100/H200 with ``python -m pytest tests/test_gpu_hopper.py``; skipped 
 portable kernels cover the same semantics there).
 """
 
-import dataclasses
-
 import pytest
 import torch
 
 import fmha
 from fmha import hopper
-from fmha.configs import HOPPER_BWD_CONFIGS
 from fmha.inputs import check_inputs
 from fmha.testing import error_bound, max_error, random_qkv, random_varlen
 
@@ -267,11 +264,8 @@ BWD_BIAS_CASES = [
 @pytest.mark.parametrize("case", BWD_BIAS_CASES, ids=[
     f"s{c[1]}-h{c[2]}/{c[3]}-d{c[4]}-{c[5] or 'n'}-{c[6]}{'-inf' if c[7] else ''}-{str(c[8])[6:]}"
     for c in BWD_BIAS_CASES])
-def test_backward_with_bias_against_reference(monkeypatch, case, with_grad):
+def test_backward_with_bias_against_reference(case, with_grad):
     batch, seqlen, nhead, nhead_k, head_dim, mask, form, with_inf, dtype = case
-    # the fast path's bias gradient is off by default (HopperBwdConfig.bias_grad): on here
-    monkeypatch.setitem(HOPPER_BWD_CONFIGS, head_dim, dataclasses.replace(HOPPER_BWD_CONFIGS[head_dim],
-                                                                          bias_grad=True))
     q, k, v, dout, _ = _problem((batch, seqlen, nhead, nhead_k, head_dim, mask, dtype, "bshd"))
     # with -inf entries, row 70 sees nothing: P = 0, every gradient of it 0
     bias = _bias(form, batch, nhead, seqlen, dtype, seed=11, pad=40, inf_share=0.3 if with_inf else 0, inf_row=70,

@@ -1,10 +1,13 @@
 """Which problems the Hopper fast path takes (the selection logic runs anywhere; the kernels are
 checked on the GPU in test_gpu_hopper.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from fmha import hopper
+from fmha.configs import HOPPER_BWD_CONFIGS
 from fmha.inputs import check_inputs
 
 
@@ -256,8 +259,8 @@ def test_the_forward_takes_a_bias_that_tma_can_read(monkeypatch, bias_shape):
     (128, dict(deterministic=True), "deterministic mode with an elementwise bias"),
     (256, {}, "elementwise bias at head dim 256"),
     (128, dict(mask="t", nhead_k=2), "an elementwise bias with GQA/MQA under a causal mask at head dim 128"),
-    (128, dict(bias_grad=True), "the gradient of an elementwise bias at head dim 128"),
-    (64, dict(mask="t", nhead_k=2), None),
+    (128, dict(bias_grad=True), None),
+    (64, dict(mask="t", nhead_k=2, bias_grad=True), None),
     (128, dict(nhead_k=2), None),
 ])
 def test_which_biases_the_fast_backward_takes(monkeypatch, head_dim, kwargs, reason):
@@ -266,6 +269,14 @@ def test_which_biases_the_fast_backward_takes(monkeypatch, head_dim, kwargs, rea
     selection = {key: kwargs.pop(key) for key in ("bias_grad", "deterministic") if key in kwargs}
     inputs = _inputs(head_dim=head_dim, bias=torch.empty(4, 64, 64, dtype=torch.bfloat16), **kwargs)
     assert hopper.bwd_unsupported(inputs, **{"deterministic": False, **selection}) == reason
+
+
+def test_a_config_without_the_bias_gradient_leaves_it_to_the_portable_backward(monkeypatch):
+    _on_cuda(monkeypatch)
+    monkeypatch.setitem(HOPPER_BWD_CONFIGS, 128, dataclasses.replace(HOPPER_BWD_CONFIGS[128], bias_grad=False))
+    inputs = _inputs(head_dim=128, bias=torch.empty(4, 64, 64, dtype=torch.bfloat16))
+    assert hopper.bwd_unsupported(inputs, False, bias_grad=True) == "the gradient of an elementwise bias at head dim 128"
+    assert hopper.bwd_unsupported(inputs, False) is None
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

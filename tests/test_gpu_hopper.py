@@ -168,6 +168,9 @@ WINDOW_ALIBI_CASES = [
     (2, 1000, 4, 128, "t", True, torch.bfloat16),
     (1, 1100, 2, 256, "b:256,0", True, torch.float16),
     (2, 600, 4, 64, None, True, torch.bfloat16),
+    # d=128/256 take ALiBi without a mask linearly off the diagonal: long distances, steep slopes
+    (1, 4100, 8, 128, None, True, torch.float16),
+    (1, 2500, 8, 256, None, True, torch.bfloat16),
 ]
 
 

@@ -320,6 +320,20 @@ def test_bias_descriptor_reads_broadcast_dims_at_coordinate_zero():
     assert kwargs["bias_desc"].block_shape == [1, 1, 64, 128]
 
 
+@pytest.mark.parametrize("head_dim, kwargs, mode", [
+    (128, {}, 3), (256, {}, 3),  # -slope * |i - j| computed linearly off the diagonal
+    (64, {}, 1),  # (its column terms would spill)
+    (128, dict(mask="b:100,0"), 1), (128, dict(dropout_p=0.1), 1),
+    (128, dict(mask="t"), 2),  # slope * j
+])
+def test_forward_alibi_mode(head_dim, kwargs, mode):
+    q = torch.empty(2, 1000, 4, head_dim, dtype=torch.bfloat16)
+    inputs = check_inputs(q, q, q, alibi_slopes=torch.ones(4), **kwargs)
+    _, _, fwd = hopper.fwd_launches(inputs, torch.empty_like(q), torch.empty(inputs.lse_shape),
+                                    torch.zeros(2, dtype=torch.int64))[-1]
+    assert fwd["ALIBI"] == mode
+
+
 def test_group_mode_forward_with_a_bias_is_left_to_the_portable_kernel():
     packed = torch.empty(100, 4, 128, dtype=torch.bfloat16)
     starts = torch.tensor([0, 40, 100], dtype=torch.int32)

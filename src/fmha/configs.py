@@ -146,6 +146,10 @@ class HopperFwdConfig:
     min_seqlen: int = 0
     min_seqlen_causal: int = 0
     causal_alibi: bool = True  # ALiBi under a causal mask (slope * j) on the fast path
+    # ALiBi's -slope * |i - j| without a window or dropout as a column term in the scale's FMA and
+    # a row term in m, off the diagonal (its tiles apart): the column terms' registers must fit
+    # (d=64 spills 392 B, with dropout d=128 3996 B)
+    alibi_linear: bool = False
     # Persistent CTAs (one per SM, running tiles in turn) up to these lengths, one CTA per tile
     # above them (0: never); not for windows, ALiBi or group mode.
     persistent_max_seqlen: int = 0
@@ -177,11 +181,11 @@ HOPPER_FWD_CONFIGS: dict[int, HopperFwdConfig] = {
     # 623 TFLOP/s at s=16k (bf16). Persistent: 1k 1.24 (591 against 477), 4k 1.01, 16k 1.00; causal
     # 1k 1.06, 4k 0.91, 16k 0.88 (static turns balance causal tiles worse than the hardware's dispatch).
     128: HopperFwdConfig(128, 2, 2, 240, 168, persistent_max_seqlen=2048, persistent_max_seqlen_causal=1024,
-                         bias=True, bias_dropout_block_n=64, bias_dropout_stages=3),
+                         bias=True, bias_dropout_block_n=64, bias_dropout_stages=3, alibi_linear=True),
     # 718 at s=16k. Persistent: 1k 1.09, 4k 0.98, 16k 0.97; causal 1k 0.86, 4k 0.93, 16k 0.86.
     # With dropout and a window 216 consumer registers spill 12 B, 224 none; with ALiBi too 56 B.
     256: HopperFwdConfig(64, 2, 2, 240, 168, persistent_max_seqlen=2048, bias=True, dropout_consumer_regs=224,
-                         dropout_alibi=False),
+                         dropout_alibi=False, alibi_linear=True),
 }
 
 

@@ -350,6 +350,8 @@ def fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, 
         tiles = cdiv(seqlen, block_m) * batch * nhead
         table = lse  # never read
     features = _window_and_alibi_args(inputs, lse)
+    if features["ALIBI"] == 1 and not features["WINDOW"] and not dropout and cfg.alibi_linear:
+        features["ALIBI"] = 3  # (see HopperFwdConfig.alibi_linear)
     persistent = fwd_persistent(inputs)
     if persistent and q.device.type == "cuda":  # (compiling for sm_90a on a CPU: one tile per CTA)
         grid = (min(tiles, _sm_count(_device_index(q.device))),)

@@ -215,18 +215,30 @@ def _load_v_tile(u, bd, n0, h_kv, v_desc, v_bufs, v_ready, v_empty, STAGES: gl.c
 
 
 @gluon.jit
-def _softmax_update(qk, bias, m_i, l_i, kv0, rows, seqlen, qk_scale, left, right, slope, s_layout: gl.constexpr,
-                    BLOCK_N: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                    ALIBI: gl.constexpr, BIAS: gl.constexpr):
-    """Online softmax of one tile of raw q.k. m is in log2 units of the scaled scores, so
-    p = exp2(qk * qk_scale - m) is one FMA and one ex2 per element. ALiBi (``slope`` in log2
-    units) adds -slope * |i - j| (ALIBI 1) or, under a causal mask, slope * j (ALIBI 2); a bias
-    tile (``BIAS``, in log2 units) adds itself."""
-    cols = kv0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+def _softmax_update(qk, bias, m_i, l_i, kv0, row0, rows, seqlen, qk_scale, left, right, slope,
+                    s_layout: gl.constexpr, BLOCK_N: gl.constexpr, MASKED: gl.constexpr, DIAG: gl.constexpr,
+                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, BIAS: gl.constexpr):
+    """Online softmax of one tile of raw q.k (rows ``row0``..). m is in log2 units of the scaled
+    scores, so p = exp2(qk * qk_scale - m) is one FMA and one ex2 per element. ALiBi (``slope`` in
+    log2 units) adds -slope * |i - j| (ALIBI 1, or 3: linear in j off the diagonal) or, under a
+    causal mask, slope * j (ALIBI 2); a bias tile (``BIAS``, in log2 units) adds itself. ``DIAG``:
+    the tile may straddle the diagonal (masked tiles may too)."""
+    tile_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    cols = kv0 + tile_cols
     # Without ALiBi the scale stays in the exponent's FMA; with it the scores are scaled first.
     scores = qk
     scale = qk_scale
-    if ALIBI == 1:
+    ALIBI_LINEAR: gl.constexpr = ALIBI == 3 and not (MASKED or DIAG)
+    if ALIBI_LINEAR:
+        # Off the diagonal |i - j| is linear: slope * (j - kv0) joins the scale's FMA and the
+        # row's term shifts m, so only tiles on the diagonal pay a per-element distance (its
+        # int-to-float conversions share the ex2's quarter-rate pipe).
+        above = kv0 >= row0 + ROWS_PER_CONSUMER - 1  # every key j >= every row i, else every j <= i
+        signed = slope * (1.0 - 2.0 * above.to(gl.float32))  # -slope * (i - j), or (j - i) above
+        scores = qk * qk_scale + (signed * tile_cols.to(gl.float32))[None, :]
+        row_shift = signed * (kv0 - rows).to(gl.float32)
+        scale = 1.0
+    elif ALIBI == 1 or ALIBI == 3:
         scores = qk * qk_scale - slope * gl.abs(rows[:, None] - cols[None, :]).to(gl.float32)
         scale = 1.0
     elif ALIBI == 2:  # one term per column
@@ -245,7 +257,10 @@ def _softmax_update(qk, bias, m_i, l_i, kv0, rows, seqlen, qk_scale, left, right
         elif CAUSAL:
             keep = keep & (cols[None, :] <= rows[:, None])
         scores = gl.where(keep, scores, -float("inf"))
-    m_new = gl.maximum(m_i, gl.max(scores, 1) * scale)
+    if ALIBI_LINEAR:
+        m_new = gl.maximum(m_i, gl.max(scores, 1) + row_shift)
+    else:
+        m_new = gl.maximum(m_i, gl.max(scores, 1) * scale)
     # Without a window every row sees key 0 in the first tile: m is finite from then on, and a
     # later fully masked tile gives alpha = 1, p = 0. A window's first tiles can show a row
     # nothing yet, and a bias of -inf can hide any keys: exponentiate against 0 while m is -inf.
@@ -253,7 +268,10 @@ def _softmax_update(qk, bias, m_i, l_i, kv0, rows, seqlen, qk_scale, left, right
     if (MASKED and WINDOW) or BIAS:
         m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)
-    p = gl.exp2(scores * scale - m_use[:, None])
+    if ALIBI_LINEAR:
+        p = gl.exp2(scores - (m_use - row_shift)[:, None])
+    else:
+        p = gl.exp2(scores * scale - m_use[:, None])
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_new, alpha
 
@@ -287,11 +305,11 @@ def _drop_p(p_op, mask_bufs, mask_ready, WG: gl.constexpr, it, p_layout: gl.cons
 
 @gluon.jit
 def _consumer_step(WG: gl.constexpr, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
-                   o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready,
+                   o_acc, p_op, m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready,
                    s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
-                   CAUSAL: gl.constexpr,
-                   WINDOW: gl.constexpr, ALIBI: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr):
+                   DIAG: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
+                   BIAS: gl.constexpr, DROPOUT: gl.constexpr):
     """Key tile j > first: S_j = Q K_j^T beside O += P_{j-1} V_{j-1}, then the softmax of S_j; key
     tile j is at ring position ring0 + j."""
     it = ring0 + j
@@ -308,13 +326,30 @@ def _consumer_step(WG: gl.constexpr, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs
     qk = warpgroup_mma_wait(1, deps=[qk])
     bias = _bias_tile(bias_bufs, WG, s, s_layout, BLOCK_N, STAGES, BIAS)  # it shares K's slot
     mbarrier.arrive(k_empty.index(s))
-    p, m_i, l_i, alpha = _softmax_update(qk, bias, m_i, l_i, j * BLOCK_N, rows, seqlen, qk_scale, left, right,
-                                         slope, s_layout, BLOCK_N, MASKED, CAUSAL, WINDOW, ALIBI, BIAS)
+    p, m_i, l_i, alpha = _softmax_update(qk, bias, m_i, l_i, j * BLOCK_N, row0, rows, seqlen, qk_scale, left,
+                                         right, slope, s_layout, BLOCK_N, MASKED, DIAG, CAUSAL, WINDOW, ALIBI, BIAS)
     o_acc, p_op = warpgroup_mma_wait(0, deps=[o_acc, p_op])
     mbarrier.arrive(v_empty.index(sp))
     o_acc = o_acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = gl.convert_layout(p.to(q_tile.dtype), p_layout)
     p_op = _drop_p(p_op, mask_bufs, mask_ready, WG, it, p_layout, STAGES, DROPOUT)
+    return o_acc, p_op, m_i, l_i
+
+
+@gluon.jit
+def _consumer_steps(j0, j1, WG: gl.constexpr, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready,
+                    v_empty, o_acc, p_op, m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs,
+                    mask_ready, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
+                    DIAG: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
+                    BIAS: gl.constexpr, DROPOUT: gl.constexpr):
+    """``_consumer_step`` for key tiles j0 .. j1 - 1."""
+    for j in range(j0, j1):
+        o_acc, p_op, m_i, l_i = _consumer_step(WG, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty,
+                                               v_ready, v_empty, o_acc, p_op, m_i, l_i, row0, rows, seqlen, qk_scale,
+                                               left, right, slope, mask_bufs, mask_ready, s_layout, o_layout,
+                                               p_layout, BLOCK_N, HEAD_DIM, STAGES, MASKED, DIAG, CAUSAL, WINDOW,
+                                               ALIBI, BIAS, DROPOUT)
     return o_acc, p_op, m_i, l_i
 
 
@@ -411,34 +446,43 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
     mbarrier.arrive(k_empty.index(s0))
     m_i = gl.full([ROWS], -float("inf"), gl.float32, row_layout)
     l_i = gl.full([ROWS], 0.0, gl.float32, row_layout)
-    p, m_i, l_i, alpha = _softmax_update(qk, bias, m_i, l_i, first * BLOCK_N, rows, seqlen, qk_scale, left, right,
-                                         slope, s_layout, BLOCK_N, True, CAUSAL, WINDOW, ALIBI, BIAS)
+    p, m_i, l_i, alpha = _softmax_update(qk, bias, m_i, l_i, first * BLOCK_N, row0, rows, seqlen, qk_scale, left,
+                                         right, slope, s_layout, BLOCK_N, True, True, CAUSAL, WINDOW, ALIBI, BIAS)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     p_op = _drop_p(p_op, mask_bufs, mask_ready, WG, pos, p_layout, STAGES, DROPOUT)
     o_acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
-    # Masked tiles before the unmasked interior (a window's left edge), the interior, masked after.
+    # Masked tiles before the unmasked interior (a window's left edge), the interior, masked after;
+    # with ALiBi's distance the interior's tile on the diagonal apart.
     lo = gl.minimum(gl.maximum(inner_lo, first + 1), end)
     hi = gl.minimum(gl.maximum(inner_hi, lo), end)
+    diag_lo = hi
+    diag_hi = hi
+    if ALIBI == 3:
+        diag_lo = gl.minimum(gl.maximum((row0 + 1) // BLOCK_N, lo), hi)
+        diag_hi = gl.minimum(gl.maximum(gl.cdiv(row0 + ROWS - 1, BLOCK_N), diag_lo), hi)
     if WINDOW:
-        for j in range(first + 1, lo):
-            o_acc, p_op, m_i, l_i = _consumer_step(WG, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty,
-                                                   v_ready, v_empty, o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale,
-                                                   left, right, slope, mask_bufs, mask_ready, s_layout,
-                                                   o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, True, CAUSAL, WINDOW,
-                                                   ALIBI, BIAS, DROPOUT)
-    for j in range(lo, hi):
-        o_acc, p_op, m_i, l_i = _consumer_step(WG, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty,
-                                               v_ready, v_empty, o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left,
-                                               right, slope, mask_bufs, mask_ready, s_layout, o_layout,
-                                               p_layout, BLOCK_N, HEAD_DIM, STAGES, False, CAUSAL, WINDOW, ALIBI, BIAS,
-                                               DROPOUT)
-    for j in range(hi, end):
-        o_acc, p_op, m_i, l_i = _consumer_step(WG, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty,
-                                               v_ready, v_empty, o_acc, p_op, m_i, l_i, rows, seqlen, qk_scale, left,
-                                               right, slope, mask_bufs, mask_ready, s_layout, o_layout,
-                                               p_layout, BLOCK_N, HEAD_DIM, STAGES, True, CAUSAL, WINDOW, ALIBI, BIAS,
-                                               DROPOUT)
+        o_acc, p_op, m_i, l_i = _consumer_steps(
+            first + 1, lo, WG, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, o_acc,
+            p_op, m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready, s_layout,
+            o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, True, False, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT)
+    o_acc, p_op, m_i, l_i = _consumer_steps(
+        lo, diag_lo, WG, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, o_acc, p_op,
+        m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready, s_layout, o_layout,
+        p_layout, BLOCK_N, HEAD_DIM, STAGES, False, False, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT)
+    if ALIBI == 3:
+        o_acc, p_op, m_i, l_i = _consumer_steps(
+            diag_lo, diag_hi, WG, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, o_acc,
+            p_op, m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready, s_layout,
+            o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, False, True, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT)
+        o_acc, p_op, m_i, l_i = _consumer_steps(
+            diag_hi, hi, WG, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, o_acc,
+            p_op, m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready, s_layout,
+            o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, False, False, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT)
+    o_acc, p_op, m_i, l_i = _consumer_steps(
+        hi, end, WG, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, o_acc, p_op,
+        m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready, s_layout, o_layout,
+        p_layout, BLOCK_N, HEAD_DIM, STAGES, True, False, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT)
 
     jl = ring0 + end - 1
     sl = jl % STAGES
@@ -526,7 +570,8 @@ def _drop_key_tile(u, m0, kv0, key_lo, key_hi, base_lo, base_hi, threshold, mask
 
 # Lengths, head counts and window sizes are not specialized: one compile serves every shape of a
 # config. WINDOW: a sliding window of ``left`` keys back and ``right`` ahead (unbounded sides come
-# as 2 * seqlen); ALIBI: 0 none, 1 -slope * |i - j|, 2 slope * j (causal), slopes [B?, H] strided;
+# as 2 * seqlen); ALIBI: 0 none, 1 -slope * |i - j|, 3 the same computed linearly off the diagonal
+# (no window), 2 slope * j (causal), slopes [B?, H] strided;
 # BIAS: an elementwise bias through ``bias_desc`` over ``[B or 1, H or 1, S, S]`` (coordinates b *
 # bias_step_b, h * bias_step_h: 0 for a broadcast dim), else ``bias_desc`` stands in as k_desc.
 @gluon.jit(do_not_specialize=["seqlen", "H", "kv_group", "tiles", "left", "right", "stride_ab", "stride_ah",

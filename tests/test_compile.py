@@ -154,4 +154,4 @@ def test_hopper_fast_path_compiles_for_sm90_without_spills():
     # backward's main kernel at d=64/128, group mode (forward; backward at d=64/128), the
     # backward's main kernel under GQA, and the forward with dropout alone and with ALiBi (not at
     # d=256, nor causal at d=64), and the forward with ALiBi alone without a mask at d=128/256
-    assert "196/196 kernel configs compile for sm_90 within shared memory and without spills" in proc.stdout, proc.stdout
+    assert "200/200 kernel configs compile for sm_90 within shared memory and without spills" in proc.stdout, proc.stdout

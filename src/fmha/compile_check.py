@@ -230,11 +230,9 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
             results.append(_compile(f"{prefix} bwd {kernel.__name__} {alibi}", kernel, grid, kwargs))
         bwd_cfg = HOPPER_BWD_CONFIGS[head_dim]
         if bwd_cfg.bias:  # a [H, S, S] bias, with and without its gradient; with GQA 2:1 (the grouped
-            bias = torch.empty(4, 1000, 1000, dtype=dtype)  # loop) too where the config takes it
+            bias = torch.empty(4, 1000, 1000, dtype=dtype)  # loop) too
             dbias_t = torch.empty(2, 4, 1000, 1000, dtype=dtype)
-            biased_cases = [("bias", k, grads[1:])]
-            if bwd_cfg.bias_causal_gqa or not causal:
-                biased_cases.append(("gqa bias", kv, [torch.empty_like(kv)] * 2))
+            biased_cases = [("bias", k, grads[1:]), ("gqa bias", kv, [torch.empty_like(kv)] * 2)]
             for (name, kv_in, kv_grads), with_grad in itertools.product(biased_cases, (False, True)):
                 biased = check_inputs(q, kv_in, kv_in, mask="t" if causal else None, bias=bias)
                 _, (kernel, grid, kwargs), _ = hopper.bwd_launches(biased, torch.empty_like(q), out, lse, grads[0],

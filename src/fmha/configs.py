@@ -211,10 +211,14 @@ class HopperBwdConfig:
     # An elementwise bias (without its gradient) on the fast path: one slot of [block_m, 64] bias
     # tiles per warpgroup beside the rings, in the feature query tile (its shared memory must fit).
     bias: bool = False
-    bias_causal_gqa: bool = True  # ... under a causal mask with GQA/MQA too
     # ... with its gradient: dS^T stored by the producer into a transposed buffer, then transposed
     # (at d=128, 16k: 280 TFLOP/s against 436 without the gradient; SDPA mem-eff's runs 113)
     bias_grad: bool = False
+    # P^T and dS^T as register operands of the dV and dK wgmma in 64-row query tiles (with 128
+    # rows they spill), instead of shared-memory tiles: the wgmma's operand reads share the
+    # shared memory's bandwidth, and dK no longer waits for the other warpgroup's dS^T (d=64 with
+    # ALiBi / a bias: 1.04 / 1.03 of the smem operands, measured before dK moved ahead)
+    dkv_rs: bool = False
 
     def block_m_for(self, features: bool) -> int:
         return self.feature_block_m if features and self.feature_block_m else self.block_m
@@ -224,10 +228,10 @@ HOPPER_BWD_CONFIGS: dict[int, HopperBwdConfig] = {
     # 437 TFLOP/s at s=16k (bf16); 128-row query tiles spill in group mode and with a window and
     # ALiBi (24 and 8 B), 64-row ones do not
     64: HopperBwdConfig(128, 2, 2, 240, 168, feature_block_m=64, deterministic_chains=4, bias=True,
-                        bias_grad=True),
-    # 475 at s=16k; with a bias, GQA and a causal mask the consumers spill 28 B
-    128: HopperBwdConfig(64, 2, 2, 240, 168, deterministic_chains=4, bias=True, bias_causal_gqa=False,
-                         bias_grad=True),
+                        bias_grad=True, dkv_rs=True),
+    # 503 at s=16k (causal 498), 477 (460) with P^T and dS^T from shared memory, which also spilled
+    # 28 B with a bias, GQA and a causal mask
+    128: HopperBwdConfig(64, 2, 2, 240, 168, deterministic_chains=4, bias=True, bias_grad=True, dkv_rs=True),
     # one P/dS tile pair (ds_bufs 1); 308 at s=16k
     256: HopperBwdConfig(64, 2, 1, 240, 168, dq_cols=32, windows_and_alibi=False),
 }

@@ -157,8 +157,6 @@ def bwd_unsupported(inputs: AttentionInputs, deterministic: bool, bias_grad: boo
         cfg = HOPPER_BWD_CONFIGS[inputs.head_dim_q]
         if not cfg.bias:
             reason = f"elementwise bias at head dim {inputs.head_dim_q}"
-        elif inputs.mask.is_causal and inputs.nhead_q != inputs.nhead_k and not cfg.bias_causal_gqa:
-            reason = f"an elementwise bias with GQA/MQA under a causal mask at head dim {inputs.head_dim_q}"
         elif deterministic:
             reason = "deterministic mode with an elementwise bias"
         elif bias_grad and not cfg.bias_grad:
@@ -454,8 +452,8 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
             sem_ptr=sems, seqlen=seqlen, H=nhead_k, kv_group=kv_group, qk_scale=inputs.scale * LOG2E,
             sm_scale=inputs.scale, inv_scale=1.0 / inputs.scale, BLOCK_M=block_m,
             HEAD_DIM=head_dim, STAGES=cfg.stages, DS_BUFS=cfg.ds_bufs, CONSUMER_REGS=cfg.consumer_regs,
-            CAUSAL=inputs.mask.is_causal, GROUP=inputs.group, CHAINS=chains, num_warps=4, maxnreg=cfg.maxnreg,
-            **features,
+            CAUSAL=inputs.mask.is_causal, GROUP=inputs.group, CHAINS=chains, DKV_RS=cfg.dkv_rs and block_m == 64,
+            num_warps=4, maxnreg=cfg.maxnreg, **features,
         )
         narrow.update(_bias_args(inputs, block_m, WG_KEYS.value))
         narrow.update(dbias_desc=k_desc, DBIAS=dbias_t is not None)

@@ -437,9 +437,9 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
                    dq_smem, p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc, lse_bufs,
                    delta_bufs, bias_bufs, bias_ready, bias_empty, bd, row_base, h, keys, seqlen, qk_scale, inv_scale,
                    left, right, slope, dk, dv, rank, grants, dones, sT_layout: gl.constexpr,
-                   dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                   dq_layout: gl.constexpr, kv_op_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                    DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
-                   GROUP: gl.constexpr, BIAS: gl.constexpr, CHAINS: gl.constexpr):
+                   GROUP: gl.constexpr, BIAS: gl.constexpr, CHAINS: gl.constexpr, DKV_RS: gl.constexpr):
     dtype: gl.constexpr = q_bufs.dtype
     s = it % STAGES
     ph = (it // STAGES) & 1
@@ -481,13 +481,23 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
         if masked:
             pT = gl.where(_keep(keys, _key_minus_query(keys, m0, BLOCK_M, sT_layout), seqlen, left, right, CAUSAL,
                                 WINDOW), pT, 0.0)
-    # P^T feeds dV from this warpgroup's own smem tile: as a register operand it would stay live
-    # beside dP^T, dK and dV and spill.
-    p_smem.store(pT.to(dtype))
-    fence_async_shared()
+    # DKV_RS: P^T and dS^T feed dV and dK from registers (the accumulator's layout is the A
+    # operand's), which spares the shared-memory bandwidth the wgmma share; dV's starts once dS^T
+    # is made, so only the two 16-bit operands stay live beside dK and dV until they retire.
+    # Else P^T goes through this warpgroup's own smem tile (with 128-row query tiles the register
+    # operands spill).
+    if DKV_RS:
+        p_op = gl.convert_layout(pT.to(dtype), kv_op_layout)
+    else:
+        p_smem.store(pT.to(dtype))
+        fence_async_shared()
+        p_op = p_smem
     dpT = warpgroup_mma_wait(0, deps=[dpT])
     dsT = (pT * dpT).to(dtype)
-    dv = warpgroup_mma(p_smem, do_s, dv, is_async=True)
+    dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
+    if DKV_RS:  # dK needs only this warpgroup's dS^T: it runs while the warpgroups meet below
+        ds_op = gl.convert_layout(dsT, kv_op_layout)
+        dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
 
     # dS^T goes to this warpgroup's half of a shared [128, BLOCK_M] tile that both dQ wgmma read.
     buf = it % DS_BUFS
@@ -498,7 +508,9 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
     fence_async_shared()
     mbarrier.arrive(ds_ready.index(buf))
     mbarrier.wait(ds_ready.index(buf), ph_ds)  # both halves written
-    dk = warpgroup_mma(ds_buf.slice(WG * WG_KEYS, WG_KEYS, dim=0), q_s, dk, is_async=True)
+    if not DKV_RS:
+        ds_op = ds_buf.slice(WG * WG_KEYS, WG_KEYS, dim=0)
+        dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
     ds_full = ds_buf.permute((1, 0))
     if BLOCK_M == 128:  # this warpgroup's 64 query rows, every head-dim column
         dq = warpgroup_mma(ds_full.slice(WG * 64, 64, dim=0), k_full,
@@ -507,7 +519,10 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
         dq = warpgroup_mma(ds_full, k_full.slice(WG * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1),
                            gl.zeros([64, HEAD_DIM // 2], gl.float32, dq_layout), use_acc=False, is_async=True)
 
-    dv, dk = warpgroup_mma_wait(1, deps=[dv, dk])  # dO and Q no longer read: free the slot
+    if DKV_RS:  # dO and Q no longer read: free the slot (and the operands' registers)
+        dv, dk, p_op, ds_op = warpgroup_mma_wait(1, deps=[dv, dk, p_op, ds_op])
+    else:
+        dv, dk = warpgroup_mma_wait(1, deps=[dv, dk])
     mbarrier.arrive(do_empty.index(s))
     mbarrier.arrive(q_empty.index(s))
     dq = warpgroup_mma_wait(0, deps=[dq])
@@ -536,14 +551,14 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_buf
               inv_scale, left, right, alibi_ptr, stride_ab, stride_ah, grants, dones, BLOCK_M: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr,
               WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr, BIAS: gl.constexpr,
-              CHAINS: gl.constexpr):
+              CHAINS: gl.constexpr, DKV_RS: gl.constexpr):
     b, h, bh, n0 = _this_program(seqlen, H, BLOCK_N)
     bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
     _consumer_keys(WG, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
                    dq_bufs, p_bufs, bias_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty,
                    bias_ready, bias_empty, h, bh, n0, bd, b, row_base, seqlen_b, kv_group, qk_scale, sm_scale,
                    inv_scale, left, right, alibi_ptr, stride_ab, stride_ah, grants, dones, BLOCK_M, HEAD_DIM, STAGES,
-                   DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP, BIAS, CHAINS)
+                   DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP, BIAS, CHAINS, DKV_RS)
 
 
 @gluon.jit
@@ -553,13 +568,14 @@ def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, 
                    qk_scale, sm_scale, inv_scale, left, right, alibi_ptr, stride_ab, stride_ah, grants, dones,
                    BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr,
-                   BIAS: gl.constexpr, CHAINS: gl.constexpr):
+                   BIAS: gl.constexpr, CHAINS: gl.constexpr, DKV_RS: gl.constexpr):
     """Warpgroup WG's 64 keys of the CTA's key tile; n0, keys and seqlen are the sequence's."""
     dtype: gl.constexpr = q_bufs.dtype
     sT_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
+    kv_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     DQ_COLS: gl.constexpr = HEAD_DIM if BLOCK_M == 128 else HEAD_DIM // 2
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLS, 16])
@@ -594,8 +610,8 @@ def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, 
                                 dq_smem, p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc,
                                 lse_bufs, delta_bufs, bias_bufs, bias_ready, bias_empty, bd, row_base, hq, keys,
                                 seqlen, qk_scale, inv_scale, left, right, slope, dk, dv, rank, grants, dones,
-                                sT_layout, dq_layout, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI,
-                                GROUP, BIAS, CHAINS)
+                                sT_layout, dq_layout, kv_op_layout, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL,
+                                WINDOW, ALIBI, GROUP, BIAS, CHAINS, DKV_RS)
     if CHAINS > 0:
         if n_m > 0:
             _adds_completed(dones, kv_group * n_m)
@@ -635,6 +651,7 @@ def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, 
 # stands in as k_desc. ``inv_scale`` is 1 / sm_scale. DBIAS: its gradient dS, in q's dtype through
 # ``dbias_desc`` over a ``[B, H, S_k, S_q]`` buffer (transposed: the dS^T tiles as they are in
 # shared memory), boxes ``[1, 1, 128, BLOCK_M]``; else ``dbias_desc`` stands in as k_desc.
+# DKV_RS: P^T and dS^T as register operands of the dV and dK wgmma (64-row query tiles only).
 @gluon.jit(do_not_specialize=["seqlen", "H", "left", "right", "stride_ab", "stride_ah", "bias_step_b", "bias_step_h"])
 def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
                                 bias_desc, dbias_desc, alibi_ptr, seqstart_ptr, sem_ptr, seqlen, H, kv_group,
@@ -642,7 +659,7 @@ def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                                 bias_step_h, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                                 DS_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr,
                                 WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr, BIAS: gl.constexpr,
-                                DBIAS: gl.constexpr, CHAINS: gl.constexpr):
+                                DBIAS: gl.constexpr, CHAINS: gl.constexpr, DKV_RS: gl.constexpr):
     gl.static_assert(BLOCK_M == 64 or BLOCK_M == 128)
     dtype: gl.constexpr = q_desc.dtype
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
@@ -654,7 +671,6 @@ def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     ds_bufs = gl.allocate_shared_memory(dtype, [DS_BUFS, BLOCK_N, BLOCK_M], ds_layout)
     dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
-    p_bufs = gl.allocate_shared_memory(dtype, [2, WG_KEYS, BLOCK_M], p_layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -679,6 +695,10 @@ def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     else:  # never read
         grants = ds_ready
         dones = ds_ready
+    if DKV_RS:  # never read
+        p_bufs = ds_bufs
+    else:  # one P^T tile per warpgroup
+        p_bufs = gl.allocate_shared_memory(dtype, [2, WG_KEYS, BLOCK_M], p_layout)
     if BIAS:  # one slot of both warpgroups' [BLOCK_M, 64] tiles: ready by TMA, empty by both consumers
         bias_bufs = gl.allocate_shared_memory(dtype, [2] + bias_desc.block_type.shape, bias_desc.layout)
         bias_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -696,12 +716,12 @@ def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                       delta_bufs, ds_bufs, dq_bufs, p_bufs, bias_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
                       ds_ready, ds_empty, bias_ready, bias_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale,
                       sm_scale, inv_scale, left, right, alibi_ptr, stride_ab, stride_ah, grants, dones, BLOCK_M,
-                      HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP, BIAS, CHAINS)),
+                      HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP, BIAS, CHAINS, DKV_RS)),
         (_consumer, (1, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
                       delta_bufs, ds_bufs, dq_bufs, p_bufs, bias_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
                       ds_ready, ds_empty, bias_ready, bias_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale,
                       sm_scale, inv_scale, left, right, alibi_ptr, stride_ab, stride_ah, grants, dones, BLOCK_M,
-                      HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP, BIAS, CHAINS)),
+                      HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP, BIAS, CHAINS, DKV_RS)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, bias_desc, dbias_desc, k_smem, v_smem,
                      q_bufs, do_bufs, lse_bufs, delta_bufs, bias_bufs, ds_bufs, kv_bar, q_ready, q_empty, do_ready,
                      do_empty, bias_ready, bias_empty, ds_ready, ds_empty, seqstart_ptr, seqlen, H, kv_group, left,

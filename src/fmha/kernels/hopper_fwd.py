@@ -221,7 +221,7 @@ def _softmax_update(qk, bias, m_i, l_i, kv0, row0, rows, seqlen, qk_scale, left,
     """Online softmax of one tile of raw q.k (rows ``row0``..). m is in log2 units of the scaled
     scores, so p = exp2(qk * qk_scale - m) is one FMA and one ex2 per element. ALiBi (``slope`` in
     log2 units) adds -slope * |i - j| (ALIBI 1, or 3: linear in j off the diagonal) or, under a
-    causal mask, slope * j (ALIBI 2); a bias tile (``BIAS``, in log2 units) adds itself. ``DIAG``:
+    causal mask, slope * j (ALIBI 2); a bias tile (``BIAS``) adds itself. ``DIAG``:
     the tile may straddle the diagonal (masked tiles may too)."""
     tile_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     cols = kv0 + tile_cols
@@ -245,10 +245,12 @@ def _softmax_update(qk, bias, m_i, l_i, kv0, row0, rows, seqlen, qk_scale, left,
         scores = qk * qk_scale + (slope * cols.to(gl.float32))[None, :]
         scale = 1.0
     if BIAS:
-        if ALIBI == 0:
-            scores = qk * qk_scale
-        scores = scores + bias
-        scale = 1.0
+        if ALIBI == 0:  # in natural units: the exponent's FMA applies LOG2E as it applies the scale
+            scores = qk * (qk_scale * LN2) + bias
+            scale = LOG2E
+        else:
+            scores = scores + bias * LOG2E
+            scale = 1.0
     if MASKED:
         keep = cols[None, :] < seqlen
         if WINDOW:
@@ -279,11 +281,11 @@ def _softmax_update(qk, bias, m_i, l_i, kv0, row0, rows, seqlen, qk_scale, left,
 @gluon.jit
 def _bias_tile(bias_bufs, WG: gl.constexpr, s, s_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                BIAS: gl.constexpr):
-    """Warpgroup WG's bias rows of ring slot s in log2 units (0 without a bias)."""
+    """Warpgroup WG's bias rows of ring slot s (0 without a bias)."""
     bias = 0.0
     if BIAS:
         tile = bias_bufs.index(WG * STAGES + s).reshape([ROWS_PER_CONSUMER, BLOCK_N])
-        bias = tile.load(s_layout).to(gl.float32) * LOG2E
+        bias = tile.load(s_layout).to(gl.float32)
     return bias
 
 

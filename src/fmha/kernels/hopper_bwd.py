@@ -437,9 +437,10 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
                    dq_smem, p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc, lse_bufs,
                    delta_bufs, bias_bufs, bias_ready, bias_empty, bd, row_base, h, keys, seqlen, qk_scale, inv_scale,
                    left, right, slope, dk, dv, rank, grants, dones, sT_layout: gl.constexpr,
-                   dq_layout: gl.constexpr, kv_op_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                   DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
-                   GROUP: gl.constexpr, BIAS: gl.constexpr, CHAINS: gl.constexpr, DKV_RS: gl.constexpr):
+                   dq_layout: gl.constexpr, kv_op_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr,
+                   WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr, BIAS: gl.constexpr,
+                   CHAINS: gl.constexpr, DKV_RS: gl.constexpr):
     dtype: gl.constexpr = q_bufs.dtype
     s = it % STAGES
     ph = (it // STAGES) & 1
@@ -509,8 +510,7 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
     mbarrier.arrive(ds_ready.index(buf))
     mbarrier.wait(ds_ready.index(buf), ph_ds)  # both halves written
     if not DKV_RS:
-        ds_op = ds_buf.slice(WG * WG_KEYS, WG_KEYS, dim=0)
-        dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+        dk = warpgroup_mma(ds_buf.slice(WG * WG_KEYS, WG_KEYS, dim=0), q_s, dk, is_async=True)
     ds_full = ds_buf.permute((1, 0))
     if BLOCK_M == 128:  # this warpgroup's 64 query rows, every head-dim column
         dq = warpgroup_mma(ds_full.slice(WG * 64, 64, dim=0), k_full,

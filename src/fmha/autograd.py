@@ -12,7 +12,6 @@ through ``EagerAttention``, which runs the same implementations and backward; to
 fake tensors and dispatch modes get the ops (``use_custom_ops``).
 """
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -162,15 +161,19 @@ class EagerAttention(torch.autograd.Function):
         out, lse, randval = ops.fwd(inputs, philox=philox, return_randval=return_randval)
         problem = [getattr(inputs, name) for name in _PROBLEM_TENSORS]
         ctx.save_for_backward(out, lse, philox, *problem)
-        ctx.inputs = dataclasses.replace(inputs, seed=None, offset=None, **dict.fromkeys(_PROBLEM_TENSORS))
+        ctx.inputs = inputs.replaced(seed=None, offset=None, **dict.fromkeys(_PROBLEM_TENSORS))
         ctx.deterministic = deterministic
         ctx.bias_grad = bias is not None and ctx.needs_input_grad[4]
+        # The LSE's and randval's gradients are never used: no zero tensors for them per call.
+        ctx.set_materialize_grads(False)
         return out, lse, q.new_empty(0, dtype=torch.uint8) if randval is None else randval
 
     @staticmethod
     def backward(ctx, dout, _dlse, _drandval):
+        if dout is None:  # only the LSE (whose gradient fmha does not take) led to the loss
+            return (None,) * 8
         out, lse, philox, *problem = ctx.saved_tensors
-        inputs = dataclasses.replace(ctx.inputs, **dict(zip(_PROBLEM_TENSORS, problem)))
+        inputs = ctx.inputs.replaced(**dict(zip(_PROBLEM_TENSORS, problem)))
         # torch.use_deterministic_algorithms(True) turns the fixed-order dQ reduction on.
         deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
         dq, dk, dv, dbias = ops.bwd(inputs, dout, out, lse, philox=philox, deterministic=deterministic,

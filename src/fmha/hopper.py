@@ -204,33 +204,38 @@ def _smem_layout(block: tuple[int, ...], dtype: torch.dtype, swizzle: bool):
     return gl.NVMMASharedLayout.get_default_for(list(block), element)
 
 
-@functools.lru_cache(maxsize=None)
-def _valid_block(block: tuple[int, ...]) -> bool:
+@functools.lru_cache(maxsize=4096)
+def _desc_fields(shape: tuple[int, ...], strides: tuple[int, ...], element_size: int, block: tuple[int, ...],
+                 layout) -> dict | None:
+    """A TMA descriptor's fields but its base, or None where TMA does not take these strides (the
+    last 1, the others multiples of 16 bytes) or shape; shared by every descriptor of this
+    geometry (nothing writes them)."""
     from triton._utils import validate_block_shape
 
     validate_block_shape(list(block))  # raises for a dim that is not a power of two, or too many elements
-    return True
+    if 0 in shape or strides[-1] != 1 or any(st * element_size % 16 for st in strides[:-1]):
+        return None
+    return dict(shape=list(shape), strides=list(strides), block_shape=list(block), layout=layout, padding="zero")
 
 
-@functools.lru_cache(maxsize=4096)
-def _tma_strides(strides: tuple[int, ...], element_size: int) -> bool:
-    """Whether TMA takes these strides: the last 1, the others multiples of 16 bytes."""
-    return strides[-1] == 1 and all(st * element_size % 16 == 0 for st in strides[:-1])
-
-
-def _tma_desc(base: torch.Tensor, shape: list[int], strides: list[int], block: tuple[int, ...], layout):
-    """``TensorDescriptor(base, shape, strides, block, layout)`` without its constructor's checks
-    when they pass (they cost more host time than the launch: 13 descriptors in a forward and
-    backward at 1k); when one fails, the constructor itself raises."""
+@functools.cache
+def _descriptor_class():
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    if (base.data_ptr() % 16 == 0 and 0 not in shape and _tma_strides(tuple(strides), base.element_size())
-            and _valid_block(block)):
-        desc = object.__new__(TensorDescriptor)
-        desc.__dict__.update(base=base, shape=shape, strides=strides, block_shape=list(block), layout=layout,
-                             padding="zero")
-        return desc
-    return TensorDescriptor(base, shape, strides, list(block), layout)
+    return TensorDescriptor
+
+
+def _tma_desc(base: torch.Tensor, shape, strides, block: tuple[int, ...], layout):
+    """``TensorDescriptor(base, shape, strides, block, layout)`` without its constructor's checks
+    when they pass (they cost more host time than the launch: 13 descriptors in a forward and
+    backward at 1k; the checks' verdict and the fields are cached per geometry); when one fails,
+    the constructor itself raises."""
+    fields = _desc_fields(tuple(shape), tuple(strides), base.element_size(), block, layout)
+    if fields is None or base.data_ptr() % 16:
+        return _descriptor_class()(base, list(shape), list(strides), list(block), layout)
+    desc = object.__new__(_descriptor_class())
+    desc.__dict__.update(fields, base=base)
+    return desc
 
 
 def _desc(t: torch.Tensor, rows: int, cols: int, swizzle: bool = True):
@@ -240,13 +245,13 @@ def _desc(t: torch.Tensor, rows: int, cols: int, swizzle: bool = True):
 
 def _box_desc(t: torch.Tensor, block: tuple[int, ...], swizzle: bool = True):
     """A TMA descriptor over ``t`` with its own shape and strides and this box."""
-    return _tma_desc(t, list(t.shape), list(t.stride()), block, _smem_layout(block, t.dtype, swizzle))
+    return _tma_desc(t, t.shape, t.stride(), block, _smem_layout(block, t.dtype, swizzle))
 
 
 def _stat_desc(t: torch.Tensor, block_m: int):
     """``[B, H, S_pad]`` fp32 statistics as 2-D ``[B*H, S_pad]``, unswizzled boxes ``[1, block_m]``."""
     t2 = t.view(-1, t.shape[-1])
-    return _tma_desc(t2, list(t2.shape), list(t2.stride()), (1, block_m), _smem_layout((1, block_m), t.dtype, False))
+    return _tma_desc(t2, t2.shape, t2.stride(), (1, block_m), _smem_layout((1, block_m), t.dtype, False))
 
 
 def _window_and_alibi_args(inputs: AttentionInputs, placeholder: torch.Tensor) -> dict:
@@ -409,15 +414,19 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
     neg_lse = torch.empty_like(neg_delta)
     chains = cfg.deterministic_chains if deterministic else 0
     copies = max(chains, 1)  # the deterministic mode's dQ copies per head
-    dq_acc = torch.zeros((*q.shape[:2], q.shape[2] * copies, q.shape[3]), dtype=torch.float32, device=q.device)
+    # The preprocess zeroes dQ's accumulator where its rows cover it: batch mode.
+    zero_acc = not inputs.group and seqlen == q.shape[1]
+    dq_acc = (torch.empty if zero_acc else torch.zeros)((*q.shape[:2], q.shape[2] * copies, q.shape[3]),
+                                                         dtype=torch.float32, device=q.device)
     per_sequence = 0 if inputs.group else 1  # group mode: one packed "batch", sequences by seqstart
     preprocess = dict(
         O=out, DO=dout, Lse=lse, NegDelta=neg_delta, NegLse=neg_lse,
-        Seqstart=inputs.seqstart_q if inputs.group else neg_lse, seqlen=seqlen, seqlen_pad=seqlen_pad,
+        Seqstart=inputs.seqstart_q if inputs.group else neg_lse, Acc=dq_acc, seqlen=seqlen, seqlen_pad=seqlen_pad,
         H=nhead, inv_scale=1.0 / inputs.scale, stride_ob=out.stride(0) * per_sequence, stride_os=out.stride(1),
         stride_oh=out.stride(2), stride_dob=dout.stride(0) * per_sequence, stride_dos=dout.stride(1),
         stride_doh=dout.stride(2), stride_lb=lse.stride(0) * per_sequence, stride_lh=lse.stride(1),
-        HEAD_DIM=head_dim, BLOCK=STAT_PAD, GROUP=inputs.group, num_warps=8 if head_dim <= 128 else 16,
+        HEAD_DIM=head_dim, BLOCK=STAT_PAD, GROUP=inputs.group, ZERO_ACC=zero_acc, COPIES=copies,
+        num_warps=8 if head_dim <= 128 else 16,
     )
     convert = dict(Acc=dq_acc, DQ=dq, n=dq.numel(), scale=inputs.scale, BLOCK=CONVERT_BLOCK, COPIES=copies,
                    HEAD_DIM=head_dim, num_warps=8)

@@ -2,7 +2,8 @@
 
 Three launches: ``hopper_bwd_preprocess`` (Triton) writes ``-delta`` and ``-lse / scale`` per query
 row of each (sequence, head), padded to a multiple of 128 rows (padding: delta 0, lse +inf, so P = 0
-there and the main loop needs no query bound, in group mode too); ``attention_bwd_hopper_kernel`` (Gluon); ``hopper_bwd_convert_dq``
+there and the main loop needs no query bound, in group mode too) and in batch mode zeroes the dQ
+accumulator; ``attention_bwd_hopper_kernel`` (Gluon); ``hopper_bwd_convert_dq``
 (Triton) scales the fp32 dQ accumulator into dQ.
 
 Main kernel at head dims 64/128 (at 256, ``attention_bwd_hopper_wide_kernel`` below splits the
@@ -60,11 +61,14 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @triton.jit
-def hopper_bwd_preprocess(O, DO, Lse, NegDelta, NegLse, Seqstart, seqlen, seqlen_pad, H, inv_scale,
+def hopper_bwd_preprocess(O, DO, Lse, NegDelta, NegLse, Seqstart, Acc, seqlen, seqlen_pad, H, inv_scale,
                           stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
-                          HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                          ZERO_ACC: tl.constexpr, COPIES: tl.constexpr):
     """Statistics per (sequence, head), padded rows: in group mode ``seqlen`` is the longest
-    sequence and sequence b the rows ``Seqstart[b] ..`` of the packed O, dO and LSE."""
+    sequence and sequence b the rows ``Seqstart[b] ..`` of the packed O, dO and LSE. ``ZERO_ACC``
+    (batch mode): also zero these rows of the contiguous ``[B, S, H * COPIES, HEAD_DIM]`` dQ
+    accumulator, which saves the host a fill's launch."""
     blocks = seqlen_pad // BLOCK  # 1-D grid: grid y stops at 65535, less than batch * heads can be
     bh = tl.program_id(0) // blocks
     b = bh // H
@@ -88,6 +92,11 @@ def hopper_bwd_preprocess(O, DO, Lse, NegDelta, NegLse, Seqstart, seqlen, seqlen
     # key (a bias of -inf over all of them: lse = -inf) gets -inf too, so its P stays 0.
     tl.store(NegDelta + pad, tl.where(ok, -tl.sum(o * do, 1), 0.0))
     tl.store(NegLse + pad, tl.where(lse == -float("inf"), -float("inf"), -lse * inv_scale))
+    if ZERO_ACC:
+        acc_rows = (b.to(tl.int64) * seqlen + rows) * (H * COPIES) + h * COPIES
+        for c in tl.static_range(COPIES):
+            tl.store(Acc + (acc_rows + c)[:, None] * HEAD_DIM + cols[None, :],
+                     tl.zeros((BLOCK, HEAD_DIM), tl.float32), mask=ok[:, None])
 
 
 @triton.jit

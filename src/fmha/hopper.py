@@ -414,8 +414,8 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
     neg_lse = torch.empty_like(neg_delta)
     chains = cfg.deterministic_chains if deterministic else 0
     copies = max(chains, 1)  # the deterministic mode's dQ copies per head
-    # The preprocess zeroes dQ's accumulator where its rows cover it: batch mode.
-    zero_acc = not inputs.group and seqlen == q.shape[1]
+    # In batch mode the preprocess's rows cover every row of dQ's accumulator, so it zeroes them.
+    zero_acc = not inputs.group
     dq_acc = (torch.empty if zero_acc else torch.zeros)((*q.shape[:2], q.shape[2] * copies, q.shape[3]),
                                                          dtype=torch.float32, device=q.device)
     per_sequence = 0 if inputs.group else 1  # group mode: one packed "batch", sequences by seqstart

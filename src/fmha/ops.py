@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import NamedTuple
 
@@ -92,7 +91,7 @@ def _aligned(inputs: AttentionInputs) -> AttentionInputs:
     q, k, v = kernel_layout(inputs.q), kernel_layout(inputs.k), kernel_layout(inputs.v)
     if q is inputs.q and k is inputs.k and v is inputs.v:
         return inputs
-    return dataclasses.replace(inputs, q=q, k=k, v=v)
+    return inputs.replaced(q=q, k=k, v=v)
 
 
 def _row_strides(t: torch.Tensor, group: bool) -> tuple[int, int, int]:

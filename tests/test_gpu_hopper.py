@@ -201,8 +201,7 @@ def _bias(form, batch, nhead, seqlen, dtype, seed, pad, inf_share, inf_row, magn
 
 
 # The forward with an elementwise bias (through the K ring by TMA; the backward runs the fast
-# kernels at d = 128 without dropout, except under a causal mask with GQA, else the portable ones
-# from the fast forward's LSE): every broadcast form TMA reads, a causal mask, ragged lengths,
+# kernels at d = 128 without dropout, else the portable ones from the fast forward's LSE): every broadcast form TMA reads, a causal mask, ragged lengths,
 # d = 128/256, and -inf entries, whole rows of them included (O = 0, LSE = -inf).
 # Lengths are multiples of 8 (TMA wants 16-byte row strides; others stay portable) but not of the
 # tiles; "pad" rows are a view of wider rows (row stride != seqlen).
@@ -230,7 +229,7 @@ def test_forward_with_bias_against_reference(case):
     kwargs = dict(mask=mask, dropout_p=p, **DROPOUT_SEEDS) if p else dict(mask=mask)
     inputs = check_inputs(q, k, v, bias=bias, **kwargs)
     assert hopper.fwd_unsupported(inputs) is None
-    fast_bwd = head_dim == 128 and not p and not (mask == "t" and nhead != nhead_k)
+    fast_bwd = head_dim == 128 and not p
     assert (hopper.bwd_unsupported(inputs, deterministic=False) is None) == fast_bwd
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     result = fmha.fwd(*leaves, bias=bias, **kwargs, return_lse=True)
@@ -448,29 +447,35 @@ def test_forward_dropout_keeps_ck_bytes(case):
         assert torch.all((scaled - want).abs() < 0.05), f"batch {b}"
 
 
-# Dropout at real shapes against the reference: ragged lengths, GQA, masks, ALiBi; the backward
-# (portable) runs from the fast forward's LSE with the same bytes.
-# (batch, seqlen, nhead_q, nhead_k, head_dim, mask, alibi, dtype)
+# Dropout at real shapes against the reference: ragged lengths, GQA, masks, ALiBi. The backward
+# takes the fast path at d = 64 and at d = 128 without a window, ALiBi or GQA (HopperBwdConfig's
+# dropout fields), its masks made by the producer; the portable one elsewhere, with the same bytes.
+# (batch, seqlen, nhead_q, nhead_k, head_dim, mask, alibi, dtype, fast backward)
 DROPOUT_CASES = [
-    (2, 1000, 4, 4, 128, None, False, torch.bfloat16),
-    (1, 1500, 4, 2, 128, "t", False, torch.float16),
-    (2, 700, 2, 2, 128, "b", True, torch.bfloat16),
-    (1, 1000, 4, 4, 128, "b:100,0", True, torch.bfloat16),
-    (2, 700, 2, 2, 256, "b", False, torch.bfloat16),
-    (1, 900, 2, 2, 256, "b:100,0", False, torch.float16),
-    (2, 2100, 3, 1, 64, None, False, torch.bfloat16),
-    (1, 1000, 4, 4, 64, "t", False, torch.bfloat16),
+    (2, 1000, 4, 4, 128, None, False, torch.bfloat16, True),
+    (2, 1000, 4, 4, 128, "t", False, torch.float16, True),
+    (1, 1500, 4, 2, 128, "t", False, torch.float16, False),
+    (2, 700, 2, 2, 128, "b", True, torch.bfloat16, False),
+    (1, 1000, 4, 4, 128, "b:100,0", True, torch.bfloat16, False),
+    (2, 700, 2, 2, 256, "b", False, torch.bfloat16, False),
+    (1, 900, 2, 2, 256, "b:100,0", False, torch.float16, False),
+    (2, 2100, 3, 1, 64, None, False, torch.bfloat16, True),
+    (1, 1000, 4, 4, 64, "t", False, torch.bfloat16, True),
+    (1, 777, 4, 2, 64, "b:100,20", True, torch.float16, True),
+    (3, 70, 2, 2, 128, "t", False, torch.bfloat16, True),
 ]
 
 
 @pytest.mark.parametrize("case", DROPOUT_CASES, ids=[
     f"s{c[1]}-h{c[2]}/{c[3]}-d{c[4]}-{c[5] or 'n'}-{'alibi' if c[6] else 'plain'}-{str(c[7])[6:]}"
     for c in DROPOUT_CASES])
-def test_forward_with_dropout_against_reference(case):
-    batch, seqlen, nhead, nhead_k, head_dim, mask, alibi, dtype = case
+def test_forward_and_backward_with_dropout_against_reference(case):
+    batch, seqlen, nhead, nhead_k, head_dim, mask, alibi, dtype, fast_bwd = case
     q, k, v, dout, _ = _problem((batch, seqlen, nhead, nhead_k, head_dim, mask, dtype, "bshd"))
     kwargs = dict(mask=mask, dropout_p=0.2, **DROPOUT_SEEDS)
     if alibi:
         kwargs["alibi_slopes"] = fmha.alibi_slopes(nhead, device="cuda")
-    assert hopper.fwd_unsupported(check_inputs(q, k, v, **kwargs)) is None
+    inputs = check_inputs(q, k, v, **kwargs)
+    assert hopper.fwd_unsupported(inputs) is None
+    assert (hopper.bwd_unsupported(inputs, deterministic=False) is None) == fast_bwd
     _assert_matches_reference(q, k, v, dout, kwargs)

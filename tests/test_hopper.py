@@ -64,7 +64,6 @@ def test_the_forward_takes_dropout_in_batch_mode(monkeypatch):
     q = torch.empty(1, 4096, 2, 128, dtype=torch.bfloat16)
     windowed = check_inputs(q, q, q, dropout_p=0.1, mask="b:100,0", alibi_slopes=torch.ones(2))
     assert hopper.fwd_unsupported(windowed) is None
-    assert hopper.bwd_unsupported(check_inputs(q, q, q, dropout_p=0.1), deterministic=False) == "dropout"
     bias = torch.empty(2, 4096, 4096, dtype=torch.bfloat16)
     assert hopper.fwd_unsupported(check_inputs(q, q, q, dropout_p=0.1, bias=bias)) is None
     packed = torch.empty(4096, 2, 128, dtype=torch.bfloat16)
@@ -78,6 +77,33 @@ def test_the_forward_takes_dropout_in_batch_mode(monkeypatch):
     bias256 = torch.empty(2, 4096, 4096, dtype=torch.bfloat16)
     assert hopper.fwd_unsupported(check_inputs(q256, q256, q256, dropout_p=0.1, bias=bias256)) == \
         "an elementwise bias with dropout at head dim 256"
+
+
+def test_the_backward_takes_dropout_in_batch_mode_atomic_without_a_bias(monkeypatch):
+    _on_cuda(monkeypatch)
+    q = torch.empty(1, 4096, 4, 128, dtype=torch.bfloat16)
+    kv = torch.empty(1, 4096, 2, 128, dtype=torch.bfloat16)
+    assert hopper.bwd_unsupported(check_inputs(q, q, q, dropout_p=0.1), deterministic=False) is None
+    assert hopper.bwd_unsupported(check_inputs(q, q, q, dropout_p=0.1, mask="t"), deterministic=False) is None
+    assert hopper.bwd_unsupported(check_inputs(q, q, q, dropout_p=0.1), deterministic=True) == \
+        "dropout in deterministic mode"
+    bias = torch.empty(4, 4096, 4096, dtype=torch.bfloat16)
+    assert hopper.bwd_unsupported(check_inputs(q, q, q, dropout_p=0.1, bias=bias), deterministic=False) == \
+        "dropout with an elementwise bias"
+    packed = torch.empty(4096, 4, 128, dtype=torch.bfloat16)
+    starts = torch.tensor([0, 1000, 4096], dtype=torch.int32)
+    assert hopper.bwd_unsupported(check_inputs(packed, packed, packed, seqstart_q=starts, seqstart_k=starts,
+                                               dropout_p=0.1), deterministic=False) == "dropout in group mode"
+    features = "dropout with a sliding window, ALiBi or GQA at head dim 128"
+    for kwargs in (dict(mask="b:100,0"), dict(alibi_slopes=torch.ones(4))):
+        assert hopper.bwd_unsupported(check_inputs(q, q, q, dropout_p=0.1, **kwargs), deterministic=False) == features
+    assert hopper.bwd_unsupported(check_inputs(q, kv, kv, dropout_p=0.1), deterministic=False) == features
+    q64, kv64 = q[..., :64].contiguous(), kv[..., :64].contiguous()
+    assert hopper.bwd_unsupported(check_inputs(q64, kv64, kv64, dropout_p=0.1, mask="b:100,0",
+                                               alibi_slopes=torch.ones(4)), deterministic=False) is None
+    q256 = torch.empty(1, 4096, 2, 256, dtype=torch.bfloat16)
+    assert hopper.bwd_unsupported(check_inputs(q256, q256, q256, dropout_p=0.1), deterministic=False) == \
+        "dropout at head dim 256"
 
 
 def test_group_mode_takes_the_fast_path_when_queries_and_keys_share_their_sequences():

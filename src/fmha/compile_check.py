@@ -166,8 +166,9 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
     (and without a causal mask a sliding window with ALiBi; the forward also ALiBi alone where it
     runs it linearly) where they take it, and in group mode;
     the forward with a bias, and with dropout (alone, with ALiBi, with a bias), the backward
-    with a bias (alone and with GQA, each with and without its gradient) and the deterministic
-    backward (alone and with ALiBi), where its config takes them."""
+    with a bias (alone and with GQA, each with and without its gradient), with dropout (alone, and
+    with ALiBi and with GQA) and the deterministic backward (alone and with ALiBi), where its config takes
+    them."""
     prefix = _hopper_name(dtype, head_dim, causal)
     q = torch.empty(2, 1000, 4, head_dim, dtype=dtype)  # a ragged length: nothing specializes on it
     k, v = torch.empty_like(q), torch.empty_like(q)
@@ -239,6 +240,20 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
                                                                    *kv_grads, dbias_t=dbias_t if with_grad else None)
                 results.append(_compile(f"{prefix} bwd {kernel.__name__} {name}{' dbias' if with_grad else ''}",
                                         kernel, grid, kwargs))
+        if bwd_cfg.dropout:  # alone, and where the config takes them with ALiBi (and a window) and GQA 2:1
+            mask = "t" if causal else None
+            dropped_cases = [("dropout", check_inputs(q, k, v, mask=mask, dropout_p=0.1), k)]
+            if bwd_cfg.dropout_features:
+                dropped_cases += [
+                    (f"{alibi} dropout", check_inputs(q, k, v, mask=mask if causal else "b:100,0",
+                                                      alibi_slopes=torch.ones(4), dropout_p=0.1), k),
+                    ("gqa dropout", check_inputs(q, kv, kv, mask=mask, dropout_p=0.1), kv),
+                ]
+            for name, problem, kv_in in dropped_cases:
+                _, (kernel, grid, kwargs), _ = hopper.bwd_launches(
+                    problem, torch.empty_like(q), out, lse, grads[0], torch.empty_like(kv_in),
+                    torch.empty_like(kv_in), philox=torch.zeros(2, dtype=torch.int64))
+                results.append(_compile(f"{prefix} bwd {kernel.__name__} {name}", kernel, grid, kwargs))
         if HOPPER_BWD_CONFIGS[head_dim].deterministic_chains:  # (its other two kernels are the same)
             alibi_only = check_inputs(q, k, v, mask="t" if causal else None, alibi_slopes=torch.ones(4))
             for name, problem in (("deterministic", inputs), ("alibi deterministic", alibi_only)):

@@ -219,6 +219,14 @@ class HopperBwdConfig:
     # shared memory's bandwidth, and dK no longer waits for the other warpgroup's dS^T (d=64 with
     # ALiBi / a bias: 1.04 / 1.03 of the smem operands, measured before dK moved ahead)
     dkv_rs: bool = False
+    # Dropout (64-row query tiles, batch mode, no bias, atomic mode) on the fast path: two consumers
+    # of ``dropout_consumer_regs`` beside a producer warpgroup that also makes the masks, 12 warps
+    # at 168 registers a thread, of which the producer gets 504 - 2 * dropout_consumer_regs (40:
+    # it makes the masks 32 keys at a time). ``dropout_features``: with a sliding window, ALiBi or
+    # GQA too.
+    dropout: bool = False
+    dropout_consumer_regs: int = 232
+    dropout_features: bool = True
 
     def block_m_for(self, features: bool) -> int:
         return self.feature_block_m if features and self.feature_block_m else self.block_m
@@ -228,10 +236,12 @@ HOPPER_BWD_CONFIGS: dict[int, HopperBwdConfig] = {
     # 437 TFLOP/s at s=16k (bf16); 128-row query tiles spill in group mode and with a window and
     # ALiBi (24 and 8 B), 64-row ones do not
     64: HopperBwdConfig(128, 2, 2, 240, 168, feature_block_m=64, deterministic_chains=4, bias=True,
-                        bias_grad=True, dkv_rs=True),
+                        bias_grad=True, dkv_rs=True, dropout=True),
     # 503 at s=16k (causal 498), 477 (460) with P^T and dS^T from shared memory, which also spilled
     # 28 B with a bias, GQA and a causal mask
-    128: HopperBwdConfig(64, 2, 2, 240, 168, deterministic_chains=4, bias=True, bias_grad=True, dkv_rs=True),
+    # With dropout at 232 registers a window, ALiBi under a causal mask and GQA under one spill 8-32 B.
+    128: HopperBwdConfig(64, 2, 2, 240, 168, deterministic_chains=4, bias=True, bias_grad=True, dkv_rs=True,
+                         dropout=True, dropout_features=False),
     # one P/dS tile pair (ds_bufs 1); 308 at s=16k
     256: HopperBwdConfig(64, 2, 1, 240, 168, dq_cols=32, windows_and_alibi=False),
 }

@@ -152,7 +152,9 @@ def bwd_unsupported(inputs: AttentionInputs, deterministic: bool, bias_grad: boo
     """Why the Hopper backward does not run this problem, or None; ``bias_grad``: the bias's
     gradient is wanted too."""
     reason = device_unsupported(inputs.q.device) or _problem_reason(
-        inputs, HOPPER_BWD_CONFIGS, windows_and_alibi=True, group=True, bias=True)
+        inputs, HOPPER_BWD_CONFIGS, windows_and_alibi=True, group=True, bias=True, dropout=True)
+    if reason is None and inputs.dropout_p > 0:
+        reason = _dropout_bwd_reason(inputs, deterministic)
     if reason is None and inputs.bias is not None:
         cfg = HOPPER_BWD_CONFIGS[inputs.head_dim_q]
         if not cfg.bias:
@@ -169,6 +171,22 @@ def bwd_unsupported(inputs: AttentionInputs, deterministic: bool, bias_grad: boo
     if reason is None and deterministic:
         reason = _deterministic_reason(inputs)
     return reason
+
+
+def _dropout_bwd_reason(inputs: AttentionInputs, deterministic: bool) -> str | None:
+    """Why the backward with dropout cannot take the fast path, or None (its producer warpgroup
+    makes the masks; see kernels/hopper_bwd's DROPOUT)."""
+    cfg = HOPPER_BWD_CONFIGS[inputs.head_dim_q]
+    features = (inputs.alibi_slopes is not None or inputs.nhead_q != inputs.nhead_k
+                or (inputs.mask.type != MaskType.NONE and not inputs.mask.is_causal))
+    why = [
+        (not cfg.dropout, f"at head dim {inputs.head_dim_q}"),
+        (features and not cfg.dropout_features, f"with a sliding window, ALiBi or GQA at head dim {inputs.head_dim_q}"),
+        (inputs.group, "in group mode"),
+        (inputs.bias is not None, "with an elementwise bias"),
+        (deterministic, "in deterministic mode"),
+    ]
+    return next((f"dropout {what}" for refused, what in why if refused), None)
 
 
 def _deterministic_reason(inputs: AttentionInputs) -> str | None:
@@ -378,12 +396,13 @@ def fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, 
 
 def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, deterministic: bool = False,
-                 dbias_t: torch.Tensor | None = None):
+                 dbias_t: torch.Tensor | None = None, philox: torch.Tensor | None = None):
     """The backward's three (kernel, grid, kwargs), in order; dq, dk, dv contiguous ``[B, S, H, D]``
     (group mode ``[T, H, D]``, dk and dv zeroed: the kernel adds into them). ``deterministic``:
     dQ's adds in a fixed order (where ``bwd_unsupported`` allows it). ``dbias_t``: the bias's
     gradient is wanted, into this contiguous ``[B, Hq, S_k, S_q]`` tensor of q's dtype (its
-    transpose is dS; zeroed under a causal mask, whose tiles above the diagonal never run)."""
+    transpose is dS; zeroed under a causal mask, whose tiles above the diagonal never run).
+    ``philox``: the int64 (seed, offset) pair when dropout is on."""
     from .kernels.hopper_bwd import (
         BLOCK_N,
         STAT_PAD,
@@ -444,8 +463,9 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
         main = (attention_bwd_hopper_wide_kernel, (cdiv(seqlen, WIDE_KEYS.value) * batch * nhead_k,), wide)
     else:
         features = _window_and_alibi_args(inputs, neg_lse)
+        dropout = _dropout_args(inputs, philox, neg_lse)
         block_m = cfg.block_m_for(inputs.group or features["WINDOW"] or features["ALIBI"] != 0
-                                  or inputs.bias is not None)
+                                  or inputs.bias is not None or dropout["DROPOUT"])
         dq_cols = head_dim if block_m == 128 else head_dim // 2
         # deterministic: one turn counter per (batch * head, query tile, dQ copy)
         sems = torch.zeros((batch * nhead, cdiv(seqlen, block_m), chains), dtype=torch.int32,
@@ -460,10 +480,14 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
             seqstart_ptr=inputs.seqstart_q if inputs.group else neg_lse,
             sem_ptr=sems, seqlen=seqlen, H=nhead_k, kv_group=kv_group, qk_scale=inputs.scale * LOG2E,
             sm_scale=inputs.scale, inv_scale=1.0 / inputs.scale, BLOCK_M=block_m,
-            HEAD_DIM=head_dim, STAGES=cfg.stages, DS_BUFS=cfg.ds_bufs, CONSUMER_REGS=cfg.consumer_regs,
-            CAUSAL=inputs.mask.is_causal, GROUP=inputs.group, CHAINS=chains, DKV_RS=cfg.dkv_rs and block_m == 64,
-            num_warps=4, maxnreg=cfg.maxnreg, **features,
+            HEAD_DIM=head_dim, STAGES=cfg.stages, DS_BUFS=cfg.ds_bufs, CAUSAL=inputs.mask.is_causal,
+            GROUP=inputs.group, CHAINS=chains, DKV_RS=cfg.dkv_rs and block_m == 64, num_warps=4, **features,
+            **dropout,
         )
+        if dropout["DROPOUT"]:  # 12 warps (see HopperBwdConfig.dropout_consumer_regs)
+            narrow.update(CONSUMER_REGS=cfg.dropout_consumer_regs, maxnreg=DROPOUT_MAXNREG)
+        else:
+            narrow.update(CONSUMER_REGS=cfg.consumer_regs, maxnreg=cfg.maxnreg)
         narrow.update(_bias_args(inputs, block_m, WG_KEYS.value))
         narrow.update(dbias_desc=k_desc, DBIAS=dbias_t is not None)
         if dbias_t is not None:

@@ -321,7 +321,7 @@ def bwd_launches(
         return [], grads
     if fast:
         return [Launch(*entry) for entry in hopper.bwd_launches(inputs, dout, out, lse, dq, dk, dv,
-                                                                deterministic, dbias_t)], grads
+                                                                deterministic, dbias_t, philox)], grads
 
     cfg = bwd_config(q.dtype, inputs.head_dim_q, inputs.head_dim_v, has_bias=inputs.bias is not None,
                      has_dropout=inputs.dropout_p > 0)

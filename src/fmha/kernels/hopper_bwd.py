@@ -24,7 +24,8 @@ A sliding window (``WINDOW``) visits only the query tiles whose rows see some of
 masked at both edges; ALiBi (``ALIBI``) adds its term to the exponent of P^T (the LSE folded into
 S^T already holds it; dS^T needs nothing more); an elementwise bias (``BIAS``) joins -lse in the
 start of S^T, its tile streamed per step by the producer, which also stores dS^T, its gradient,
-where asked (``DBIAS``).
+where asked (``DBIAS``). With dropout (``DROPOUT``) the producer is a warpgroup that also makes
+each step's CK masks, transposed (keys are S^T's rows), into a ring slot beside Q's.
 
 Tensors are addressed like the forward's: 4-D descriptors over ``[B, S, H, D]``, boxes
 ``[1, rows, 1, cols]``, rows past the sequence zero-filled on load and clipped on store.
@@ -45,10 +46,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .common import LOG2E
+from .hopper_dropout import dropout_mask_query_pairs, philox_key_and_base
 from .hopper_fwd import packed_sequence
 
 BLOCK_N = gl.constexpr(128)  # keys per CTA
 WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma)
+DROP_KEYS = gl.constexpr(32)  # keys per chunk of a step's dropout masks
 STAT_PAD = 128  # statistics rows are padded to a multiple of every BLOCK_M
 
 
@@ -332,9 +335,10 @@ def _init_rings(q_ready, q_empty, do_ready, do_empty, STAGES: gl.constexpr):
 def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, bias_desc, dbias_desc, k_smem, v_smem, q_bufs,
               do_bufs, lse_bufs, delta_bufs, bias_bufs, ds_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
               bias_ready, bias_empty, ds_ready, ds_empty, seqstart_ptr, seqlen, H, kv_group, left, right, bias_step_b,
-              bias_step_h, sem_ptr, grants, dones, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-              DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, GROUP: gl.constexpr,
-              BIAS: gl.constexpr, DBIAS: gl.constexpr, CHAINS: gl.constexpr):
+              bias_step_h, sem_ptr, grants, dones, philox_ptr, threshold, mask_bufs, mask_ready,
+              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr,
+              WINDOW: gl.constexpr, GROUP: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
+              CHAINS: gl.constexpr, DROPOUT: gl.constexpr):
     b, h, bh, n0 = _this_program(seqlen, H, BLOCK_N)
     bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
     # Group mode: the grid covers the longest sequence; a CTA past its sequence loads its K/V and
@@ -370,6 +374,8 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, bias_desc, 
         mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(do_desc, [bd, rows, hq, 0], do_ready.index(s), do_bufs.index(s))
         tma.async_copy_global_to_shared(delta_desc, [bhq, m * BLOCK_M], do_ready.index(s), delta_bufs.index(s))
+        if DROPOUT:  # both consumers freed the Q slot: they read its masks before
+            _drop_step(s, m * BLOCK_M, bhq, n0, philox_ptr, threshold, mask_bufs, mask_ready)
         if BIAS:  # one slot: both consumers read theirs into registers as their step starts
             mbarrier.wait(bias_empty.index(0), (it & 1) ^ 1)
             mbarrier.expect(bias_ready.index(0), 2 * bias_desc.block_type.nbytes)
@@ -395,6 +401,22 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, bias_desc, 
         if n_m > 0:  # the last two steps' turns
             _pass_turn(n_m - 1, last_sem, dones, sem_ptr)
             _pass_turn(n_m, sem, dones, sem_ptr)
+
+
+@gluon.jit
+def _drop_step(s, m0, bhq, n0, philox_ptr, threshold, mask_bufs, mask_ready):
+    """The producer warpgroup (dropout): the 16-bit masks of queries m0 + [0, 64) and the CTA's
+    keys into slot s, ``[BLOCK_N keys, 64 queries]`` (all ones where kept), written two queries a
+    word through a uint32 view of the slot: its rows are as many bytes, swizzled alike."""
+    key_lo, key_hi, base_lo, base_hi = philox_key_and_base(philox_ptr, bhq)
+    pair_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 32], gl.uint32)
+    pairs = mask_bufs.index(s)._reinterpret(gl.uint32, [BLOCK_N, 32], pair_layout)
+    for chunk in gl.static_range(BLOCK_N // DROP_KEYS):  # one Philox call a thread each: few registers
+        masks = dropout_mask_query_pairs(key_lo, key_hi, base_lo, base_hi, m0, n0 + chunk * DROP_KEYS, threshold,
+                                         DROP_KEYS)
+        pairs.slice(chunk * DROP_KEYS, DROP_KEYS, dim=0).store(masks)
+    gl.thread_barrier()  # every thread's stores are in before the slot is handed over
+    mbarrier.arrive(mask_ready.index(s))
 
 
 @gluon.jit
@@ -441,15 +463,32 @@ def _scores_start(WG: gl.constexpr, it, s, lse_bufs, bias_bufs, bias_ready, bias
     return start
 
 
+# P with its sign bit set where the 16-bit mask is 0 (dropped), opaque to the compiler: folded
+# back into a select on the mask it would keep the mask live beside dP^T.
+_SIGN_DROPPED = gl.constexpr("""{
+.reg .b32 t;
+cvt.u32.u16 t, $2;
+not.b32 t, t;
+and.b32 t, t, 0x8000;
+shl.b32 t, t, 16;
+or.b32 $0, $1, t;
+}""")
+
+
+@gluon.jit
+def _sign_dropped(p, keep):
+    return gl.inline_asm_elementwise(_SIGN_DROPPED, "=r,r,h", [p, keep], dtype=gl.float32, is_pure=True, pack=1)
+
+
 @gluon.jit
 def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full, q_bufs, do_bufs, ds_bufs,
                    dq_smem, p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc, lse_bufs,
                    delta_bufs, bias_bufs, bias_ready, bias_empty, bd, row_base, h, keys, seqlen, qk_scale, inv_scale,
-                   left, right, slope, dk, dv, rank, grants, dones, sT_layout: gl.constexpr,
-                   dq_layout: gl.constexpr, kv_op_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr,
-                   WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr, BIAS: gl.constexpr,
-                   CHAINS: gl.constexpr, DKV_RS: gl.constexpr):
+                   left, right, slope, dk, dv, rank, grants, dones, mask_bufs, mask_ready, drop_scale,
+                   sT_layout: gl.constexpr, dq_layout: gl.constexpr, kv_op_layout: gl.constexpr,
+                   BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
+                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr,
+                   BIAS: gl.constexpr, CHAINS: gl.constexpr, DKV_RS: gl.constexpr, DROPOUT: gl.constexpr):
     dtype: gl.constexpr = q_bufs.dtype
     s = it % STAGES
     ph = (it // STAGES) & 1
@@ -464,9 +503,10 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
     sT = warpgroup_mma(k_w, q_s.permute((1, 0)), sT_start, is_async=True)
     mbarrier.wait(do_ready.index(s), ph)
     do_s = do_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
-    neg_delta = delta_bufs.index(s).load(sT_layout)
-    dpT = warpgroup_mma(v_w, do_s.permute((1, 0)), gl.zeros([WG_KEYS, BLOCK_M], gl.float32, sT_layout) + neg_delta,
-                        is_async=True)
+    dpT_start = gl.zeros([WG_KEYS, BLOCK_M], gl.float32, sT_layout)
+    if not DROPOUT:  # (with dropout -delta joins after the mask, see below)
+        dpT_start += delta_bufs.index(s).load(sT_layout)
+    dpT = warpgroup_mma(v_w, do_s.permute((1, 0)), dpT_start, is_async=True)
 
     sT = warpgroup_mma_wait(1, deps=[sT])  # S^T done; dP^T may still run under the exp2
     # Queries past the sequence (the next sequence's rows in group mode) need no mask: their
@@ -496,13 +536,27 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
     # is made, so only the two 16-bit operands stay live beside dK and dV until they retire.
     # Else P^T goes through this warpgroup's own smem tile (with 128-row query tiles the register
     # operands spill).
-    if DKV_RS:
-        p_op = gl.convert_layout(pT.to(dtype), kv_op_layout)
+    if DROPOUT:
+        # The producer's 16-bit masks (all ones where kept) zero P^T's dropped elements in dV's
+        # operand, P^T * keep / (1 - p), and, read back from P^T's sign (P >= 0: -P marks a
+        # dropped element, -0 too), dP^T's before -delta joins: dS = P * (dP * keep / (1 - p) -
+        # delta). No mask register stays live beside dP^T.
+        mbarrier.wait(mask_ready.index(s), ph)  # (its slot is written again after Q's slot is freed)
+        keep = mask_bufs.index(s).slice(WG * WG_KEYS, WG_KEYS, dim=0).load(sT_layout)
+        pT = _sign_dropped(pT, keep)
+        p_op = gl.convert_layout((gl.maximum(pT, 0.0) * drop_scale).to(dtype), kv_op_layout)
+        dpT = warpgroup_mma_wait(0, deps=[dpT])
+        dropped = pT.to(gl.int32, bitcast=True) < 0
+        dpT = gl.where(dropped, 0.0, dpT) * drop_scale + delta_bufs.index(s).load(sT_layout)
+        pT = gl.abs(pT)
     else:
-        p_smem.store(pT.to(dtype))
-        fence_async_shared()
-        p_op = p_smem
-    dpT = warpgroup_mma_wait(0, deps=[dpT])
+        if DKV_RS:
+            p_op = gl.convert_layout(pT.to(dtype), kv_op_layout)
+        else:
+            p_smem.store(pT.to(dtype))
+            fence_async_shared()
+            p_op = p_smem
+        dpT = warpgroup_mma_wait(0, deps=[dpT])
     dsT = (pT * dpT).to(dtype)
     dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
     if DKV_RS:  # dK needs only this warpgroup's dS^T: it runs while the warpgroups meet below
@@ -557,17 +611,19 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
 def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs,
               lse_bufs, delta_bufs, ds_bufs, dq_bufs, p_bufs, bias_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
               ds_ready, ds_empty, bias_ready, bias_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale,
-              inv_scale, left, right, alibi_ptr, stride_ab, stride_ah, grants, dones, BLOCK_M: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr,
-              WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr, BIAS: gl.constexpr,
-              CHAINS: gl.constexpr, DKV_RS: gl.constexpr):
+              inv_scale, left, right, alibi_ptr, stride_ab, stride_ah, grants, dones, mask_bufs, mask_ready,
+              drop_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+              DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
+              GROUP: gl.constexpr, BIAS: gl.constexpr, CHAINS: gl.constexpr, DKV_RS: gl.constexpr,
+              DROPOUT: gl.constexpr):
     b, h, bh, n0 = _this_program(seqlen, H, BLOCK_N)
     bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
     _consumer_keys(WG, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
                    dq_bufs, p_bufs, bias_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty,
                    bias_ready, bias_empty, h, bh, n0, bd, b, row_base, seqlen_b, kv_group, qk_scale, sm_scale,
-                   inv_scale, left, right, alibi_ptr, stride_ab, stride_ah, grants, dones, BLOCK_M, HEAD_DIM, STAGES,
-                   DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP, BIAS, CHAINS, DKV_RS)
+                   inv_scale, left, right, alibi_ptr, stride_ab, stride_ah, grants, dones, mask_bufs, mask_ready,
+                   drop_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP, BIAS, CHAINS, DKV_RS,
+                   DROPOUT)
 
 
 @gluon.jit
@@ -575,9 +631,10 @@ def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, 
                    lse_bufs, delta_bufs, ds_bufs, dq_bufs, p_bufs, bias_bufs, kv_bar, q_ready, q_empty, do_ready,
                    do_empty, ds_ready, ds_empty, bias_ready, bias_empty, h, bh, n0, bd, b, row_base, seqlen, kv_group,
                    qk_scale, sm_scale, inv_scale, left, right, alibi_ptr, stride_ab, stride_ah, grants, dones,
-                   BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
-                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr,
-                   BIAS: gl.constexpr, CHAINS: gl.constexpr, DKV_RS: gl.constexpr):
+                   mask_bufs, mask_ready, drop_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                   ALIBI: gl.constexpr, GROUP: gl.constexpr, BIAS: gl.constexpr, CHAINS: gl.constexpr,
+                   DKV_RS: gl.constexpr, DROPOUT: gl.constexpr):
     """Warpgroup WG's 64 keys of the CTA's key tile; n0, keys and seqlen are the sequence's."""
     dtype: gl.constexpr = q_bufs.dtype
     sT_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -619,8 +676,9 @@ def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, 
                                 dq_smem, p_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_desc,
                                 lse_bufs, delta_bufs, bias_bufs, bias_ready, bias_empty, bd, row_base, hq, keys,
                                 seqlen, qk_scale, inv_scale, left, right, slope, dk, dv, rank, grants, dones,
-                                sT_layout, dq_layout, kv_op_layout, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL,
-                                WINDOW, ALIBI, GROUP, BIAS, CHAINS, DKV_RS)
+                                mask_bufs, mask_ready, drop_scale, sT_layout, dq_layout, kv_op_layout, BLOCK_M,
+                                HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP, BIAS, CHAINS, DKV_RS,
+                                DROPOUT)
     if CHAINS > 0:
         if n_m > 0:
             _adds_completed(dones, kv_group * n_m)
@@ -661,15 +719,21 @@ def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, 
 # ``dbias_desc`` over a ``[B, H, S_k, S_q]`` buffer (transposed: the dS^T tiles as they are in
 # shared memory), boxes ``[1, 1, 128, BLOCK_M]``; else ``dbias_desc`` stands in as k_desc.
 # DKV_RS: P^T and dS^T as register operands of the dV and dK wgmma (64-row query tiles only).
-@gluon.jit(do_not_specialize=["seqlen", "H", "left", "right", "stride_ab", "stride_ah", "bias_step_b", "bias_step_h"])
+# DROPOUT (batch mode, 64-row query tiles, no bias, atomic mode): CK's bytes of the int64 (seed,
+# offset) pair at ``philox_ptr``, kept where ``<= threshold``, kept values scaled by ``drop_scale``;
+# the producer is then a warpgroup (the default partition) that also makes each step's masks.
+@gluon.jit(do_not_specialize=["seqlen", "H", "left", "right", "stride_ab", "stride_ah", "bias_step_b", "bias_step_h",
+                              "threshold"])
 def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
-                                bias_desc, dbias_desc, alibi_ptr, seqstart_ptr, sem_ptr, seqlen, H, kv_group,
-                                qk_scale, sm_scale, inv_scale, left, right, stride_ab, stride_ah, bias_step_b,
-                                bias_step_h, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                                DS_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr,
-                                WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr, BIAS: gl.constexpr,
-                                DBIAS: gl.constexpr, CHAINS: gl.constexpr, DKV_RS: gl.constexpr):
+                                bias_desc, dbias_desc, alibi_ptr, seqstart_ptr, sem_ptr, philox_ptr, seqlen, H,
+                                kv_group, qk_scale, sm_scale, inv_scale, left, right, stride_ab, stride_ah,
+                                bias_step_b, bias_step_h, threshold, drop_scale, BLOCK_M: gl.constexpr,
+                                HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr,
+                                CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                                ALIBI: gl.constexpr, GROUP: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
+                                CHAINS: gl.constexpr, DKV_RS: gl.constexpr, DROPOUT: gl.constexpr):
     gl.static_assert(BLOCK_M == 64 or BLOCK_M == 128)
+    gl.static_assert(not DROPOUT or (DKV_RS and not BIAS and CHAINS == 0))
     dtype: gl.constexpr = q_desc.dtype
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, BLOCK_M], dtype)
@@ -718,25 +782,57 @@ def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
         bias_bufs = p_bufs
         bias_ready = ds_ready
         bias_empty = ds_ready
+    if DROPOUT:  # slot s: the masks of Q's slot s, [keys, queries]
+        mask_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.int16)
+        mask_bufs = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, BLOCK_M], mask_layout)
+        mask_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(mask_ready.index(i), count=1)
+    else:  # never read
+        mask_bufs = ds_bufs
+        mask_ready = ds_ready
 
-    # One partition per consumer warpgroup (first argument: its index), each with its own barrier.
-    gl.warp_specialize([
-        (_consumer, (0, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
-                      delta_bufs, ds_bufs, dq_bufs, p_bufs, bias_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
-                      ds_ready, ds_empty, bias_ready, bias_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale,
-                      sm_scale, inv_scale, left, right, alibi_ptr, stride_ab, stride_ah, grants, dones, BLOCK_M,
-                      HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP, BIAS, CHAINS, DKV_RS)),
-        (_consumer, (1, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
-                      delta_bufs, ds_bufs, dq_bufs, p_bufs, bias_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
-                      ds_ready, ds_empty, bias_ready, bias_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale,
-                      sm_scale, inv_scale, left, right, alibi_ptr, stride_ab, stride_ah, grants, dones, BLOCK_M,
-                      HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP, BIAS, CHAINS, DKV_RS)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, bias_desc, dbias_desc, k_smem, v_smem,
-                     q_bufs, do_bufs, lse_bufs, delta_bufs, bias_bufs, ds_bufs, kv_bar, q_ready, q_empty, do_ready,
-                     do_empty, bias_ready, bias_empty, ds_ready, ds_empty, seqstart_ptr, seqlen, H, kv_group, left,
-                     right, bias_step_b, bias_step_h, sem_ptr, grants, dones, BLOCK_M, STAGES, DS_BUFS, CAUSAL,
-                     WINDOW, GROUP, BIAS, DBIAS, CHAINS)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    if DROPOUT:  # the producer warpgroup first: the default partition (see DROPOUT above)
+        gl.warp_specialize([
+            (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, bias_desc, dbias_desc, k_smem, v_smem,
+                         q_bufs, do_bufs, lse_bufs, delta_bufs, bias_bufs, ds_bufs, kv_bar, q_ready, q_empty,
+                         do_ready, do_empty, bias_ready, bias_empty, ds_ready, ds_empty, seqstart_ptr, seqlen, H,
+                         kv_group, left, right, bias_step_b, bias_step_h, sem_ptr, grants, dones, philox_ptr,
+                         threshold, mask_bufs, mask_ready, BLOCK_M, STAGES, DS_BUFS, CAUSAL, WINDOW, GROUP, BIAS,
+                         DBIAS, CHAINS, DROPOUT)),
+            (_consumer, (0, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
+                          delta_bufs, ds_bufs, dq_bufs, p_bufs, bias_bufs, kv_bar, q_ready, q_empty, do_ready,
+                          do_empty, ds_ready, ds_empty, bias_ready, bias_empty, seqstart_ptr, seqlen, H, kv_group,
+                          qk_scale, sm_scale, inv_scale, left, right, alibi_ptr, stride_ab, stride_ah, grants, dones,
+                          mask_bufs, mask_ready, drop_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW,
+                          ALIBI, GROUP, BIAS, CHAINS, DKV_RS, DROPOUT)),
+            (_consumer, (1, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
+                          delta_bufs, ds_bufs, dq_bufs, p_bufs, bias_bufs, kv_bar, q_ready, q_empty, do_ready,
+                          do_empty, ds_ready, ds_empty, bias_ready, bias_empty, seqstart_ptr, seqlen, H, kv_group,
+                          qk_scale, sm_scale, inv_scale, left, right, alibi_ptr, stride_ab, stride_ah, grants, dones,
+                          mask_bufs, mask_ready, drop_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW,
+                          ALIBI, GROUP, BIAS, CHAINS, DKV_RS, DROPOUT)),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+    else:  # one partition per consumer warpgroup (first argument: its index), each with its own barrier
+        gl.warp_specialize([
+            (_consumer, (0, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
+                          delta_bufs, ds_bufs, dq_bufs, p_bufs, bias_bufs, kv_bar, q_ready, q_empty, do_ready,
+                          do_empty, ds_ready, ds_empty, bias_ready, bias_empty, seqstart_ptr, seqlen, H, kv_group,
+                          qk_scale, sm_scale, inv_scale, left, right, alibi_ptr, stride_ab, stride_ah, grants, dones,
+                          mask_bufs, mask_ready, drop_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW,
+                          ALIBI, GROUP, BIAS, CHAINS, DKV_RS, DROPOUT)),
+            (_consumer, (1, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs,
+                          delta_bufs, ds_bufs, dq_bufs, p_bufs, bias_bufs, kv_bar, q_ready, q_empty, do_ready,
+                          do_empty, ds_ready, ds_empty, bias_ready, bias_empty, seqstart_ptr, seqlen, H, kv_group,
+                          qk_scale, sm_scale, inv_scale, left, right, alibi_ptr, stride_ab, stride_ah, grants, dones,
+                          mask_bufs, mask_ready, drop_scale, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW,
+                          ALIBI, GROUP, BIAS, CHAINS, DKV_RS, DROPOUT)),
+            (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, bias_desc, dbias_desc, k_smem, v_smem,
+                         q_bufs, do_bufs, lse_bufs, delta_bufs, bias_bufs, ds_bufs, kv_bar, q_ready, q_empty, do_ready,
+                         do_empty, bias_ready, bias_empty, ds_ready, ds_empty, seqstart_ptr, seqlen, H, kv_group, left,
+                         right, bias_step_b, bias_step_h, sem_ptr, grants, dones, philox_ptr, threshold, mask_bufs,
+                         mask_ready, BLOCK_M, STAGES, DS_BUFS, CAUSAL, WINDOW, GROUP, BIAS, DBIAS, CHAINS, DROPOUT)),
+        ], [4, 1], [CONSUMER_REGS, 24])
 
 
 # Head dim 256. Two [64, 256] fp32 accumulators per warpgroup would need 256 registers a thread,

@@ -115,3 +115,41 @@ def _place_word(out, word, threshold_bytes, K: gl.constexpr, c, e, pairs: gl.con
         masks = gl.expand_dims(gl.expand_dims(_pair(lo, hi, byte), 1), 3)
         out = gl.where((c == K // 2) & (e == 4 * (K % 2) + byte), masks, out)
     return out
+
+
+@gluon.jit
+def dropout_mask_query_pairs(key_lo, key_hi, base_lo, base_hi, row0, col0, threshold, COLS: gl.constexpr):
+    """The backward's masks, transposed: ``[COLS, 32]`` uint32 over 4 warps for rows ``row0 +
+    [0, 64)`` and columns ``col0 + [0, COLS)`` (multiples of 32), word p of column j holding the
+    16-bit masks of rows 2p (low half) and 2p + 1. A call's word holds four adjacent rows of one
+    column, so prmt pairs its own bytes and each thread's words land in place: the pair index
+    ``16 * row tile + 8c + 4a + 2 * (K % 2) + half`` comes from a reshape, no shuffle."""
+    gl.static_assert(COLS % 32 == 0)
+    calls: gl.constexpr = gl.BlockedLayout(size_per_thread=[COLS // 32, 1, 1], threads_per_warp=[32, 1, 1],
+                                           warps_per_cta=[1, 2, 2], order=[0, 1, 2])  # [column, row tile, a]
+    col = gl.arange(0, COLS, layout=gl.SliceLayout(1, gl.SliceLayout(2, calls)))[:, None, None]
+    tile = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, calls)))[None, :, None]
+    a = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, calls)))[None, None, :]
+    lane = (32 * a + col % 32).to(gl.uint32)
+    ctr_lo = base_lo + lane
+    ctr_hi = base_hi + (ctr_lo < base_lo).to(gl.uint32)
+    zero = gl.zeros([COLS, 2, 2], gl.uint32, calls)
+    row_tile = (row0 // 32 + tile).to(gl.uint32) + zero
+    col_tile = ((col0 + col) // 32).to(gl.uint32) + zero
+    w0, w1, w2, w3 = _philox(ctr_lo + zero, ctr_hi + zero, row_tile, col_tile, key_lo, key_hi)
+    t = threshold.to(gl.uint32) * 0x01010101
+    # [column, row tile, a, half, K % 2, c] -> [column, row tile, c, a, K % 2, half]
+    c0 = gl.join(_row_pairs(w0, t), _row_pairs(w1, t))
+    c1 = gl.join(_row_pairs(w2, t), _row_pairs(w3, t))
+    out = gl.permute(gl.join(c0, c1), (0, 1, 5, 2, 4, 3))
+    return gl.reshape(out, [COLS, 32])
+
+
+@gluon.jit
+def _row_pairs(word, threshold_bytes):
+    """A call's word as two words of 16-bit masks, its bytes 0-1 and 2-3 (four adjacent rows),
+    joined on a new last dim."""
+    le = _byte_le(word, threshold_bytes)
+    lo = gl.inline_asm_elementwise("prmt.b32 $0, $1, $1, 0x9988;", "=r,r", [le], gl.uint32, True, 1)
+    hi = gl.inline_asm_elementwise("prmt.b32 $0, $1, $1, 0xBBAA;", "=r,r", [le], gl.uint32, True, 1)
+    return gl.join(lo, hi)

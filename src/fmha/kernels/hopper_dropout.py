@@ -31,10 +31,8 @@ def philox_key_and_base(philox_ptr, bh_index):
 @gluon.jit
 def _philox(c0, c1, c2, c3, k0, k1):
     for _ in gl.static_range(PHILOX_ROUNDS):
-        hi0 = gl.umulhi(c2, gl.full_like(c2, PHILOX_ROUND_B))
-        hi2 = gl.umulhi(c0, gl.full_like(c0, PHILOX_ROUND_A))
-        lo1 = c2 * PHILOX_ROUND_B
-        lo3 = c0 * PHILOX_ROUND_A
+        lo1, hi0 = _mul_wide(c2, PHILOX_ROUND_B)
+        lo3, hi2 = _mul_wide(c0, PHILOX_ROUND_A)
         c0 = hi0 ^ c1 ^ k0
         c2 = hi2 ^ c3 ^ k1
         c1 = lo1
@@ -42,6 +40,17 @@ def _philox(c0, c1, c2, c3, k0, k1):
         k0 = k0 + PHILOX_KEY_A
         k1 = k1 + PHILOX_KEY_B
     return c0, c1, c2, c3
+
+
+@gluon.jit
+def _mul_wide(x, M: gl.constexpr):
+    """(low, high) words of x * M: one 32x32->64 multiply (IMAD.WIDE) where umulhi and a
+    multiply make two."""
+    if M == 0xD2511F53:
+        asm: gl.constexpr = "{ .reg .b64 w; mul.wide.u32 w, $2, 0xD2511F53; mov.b64 {$0, $1}, w; }"
+    else:
+        asm: gl.constexpr = "{ .reg .b64 w; mul.wide.u32 w, $2, 0xCD9E8D57; mov.b64 {$0, $1}, w; }"
+    return gl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
 
 
 @gluon.jit

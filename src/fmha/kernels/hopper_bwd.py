@@ -537,14 +537,16 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
     # Else P^T goes through this warpgroup's own smem tile (with 128-row query tiles the register
     # operands spill).
     if DROPOUT:
-        # The producer's 16-bit masks (all ones where kept) zero P^T's dropped elements in dV's
-        # operand, P^T * keep / (1 - p), and, read back from P^T's sign (P >= 0: -P marks a
-        # dropped element, -0 too), dP^T's before -delta joins: dS = P * (dP * keep / (1 - p) -
-        # delta). No mask register stays live beside dP^T.
+        # The producer's 16-bit masks (all ones where kept) go into P^T's sign bit (P >= 0 and
+        # exp2's NaN is positive, so the sign marks a drop), which zeroes the dropped elements of
+        # dV's operand, P^T * keep / (1 - p), and of dP^T before -delta joins: dS = P * (dP *
+        # keep / (1 - p) - delta). No mask register stays live beside dP^T.
         mbarrier.wait(mask_ready.index(s), ph)  # (its slot is written again after Q's slot is freed)
         keep = mask_bufs.index(s).slice(WG * WG_KEYS, WG_KEYS, dim=0).load(sT_layout)
         pT = _sign_dropped(pT, keep)
-        p_op = gl.convert_layout((gl.maximum(pT, 0.0) * drop_scale).to(dtype), kv_op_layout)
+        # -P and -0 give +0; a NaN stays NaN, dropped too (its row's dS^T, and so dK, is NaN anyway)
+        kept_p = gl.maximum(pT, 0.0, propagate_nan=tl.PropagateNan.ALL)
+        p_op = gl.convert_layout((kept_p * drop_scale).to(dtype), kv_op_layout)
         dpT = warpgroup_mma_wait(0, deps=[dpT])
         dropped = pT.to(gl.int32, bitcast=True) < 0
         dpT = gl.where(dropped, 0.0, dpT) * drop_scale + delta_bufs.index(s).load(sT_layout)

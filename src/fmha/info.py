@@ -45,11 +45,12 @@ def features() -> list[tuple[str, bool, str]]:
         ("masks, bias and dbias, ALiBi, dropout (CK's bytes), GQA/MQA, group mode", True, "yes"),
         ("deterministic backward", True, "bitwise repeatable, no workspace"),
         ("Hopper fast path (Gluon, warp-specialized)", hopper_off is None,
-         hopper_off or ("forward and atomic backward d 64/128/256: fp16/bf16, seqlen_q == seqlen_k, "
-                        "GQA/MQA, no dropout; windows and ALiBi too (the backward not at d 256), an elementwise "
-                        "bias in the forward at d 128/256, "
-                        "and varlen with one seqstart (the backward not at d 256); persistent forward CTAs "
-                        "for short sequences; the portable kernels take the rest")),
+         hopper_off or ("forward and atomic backward d 64/128/256, deterministic backward d 64/128: "
+                        "fp16/bf16, seqlen_q == seqlen_k, GQA/MQA; windows and ALiBi (the backward not at "
+                        "d 256), an elementwise bias (forward d 128/256, backward d 64/128), dropout in batch "
+                        "mode (forward d 64/128/256, backward d 64/128), varlen with one seqstart (the "
+                        "backward not at d 256); persistent forward CTAs for short sequences; the portable "
+                        "kernels take the rest (fmha.hopper.fwd_unsupported / bwd_unsupported say why)")),
         ("TMA bulk dQ reduction (atomic backward)", gpu and cap >= (9, 0),
          "Hopper or newer" if gpu and cap >= (9, 0) else
          ("needs compute capability 9.0; per-element atomics instead" if gpu else "GPU only; per-element path")),

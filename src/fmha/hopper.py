@@ -21,7 +21,6 @@ from .configs import HOPPER_BWD_CONFIGS, HOPPER_FWD_CONFIGS
 from .inputs import AttentionInputs
 from .launch import cdiv
 from .kernels import INTERPRET
-from .masks import MaskType
 
 LOG2E = 1.4426950408889634
 # The Gluon dialect changes between Triton releases; these kernels are written against 3.6.
@@ -78,7 +77,7 @@ def _problem_reason(inputs: AttentionInputs, head_dims, windows_and_alibi: bool 
         (bias_why is not None, bias_why),
         (inputs.alibi_slopes is not None and not windows_and_alibi, "ALiBi"),
         (inputs.dropout_p > 0 and not dropout, "dropout"),
-        (inputs.mask.type != MaskType.NONE and not inputs.mask.is_causal and not windows_and_alibi,
+        (inputs.mask.is_window and not windows_and_alibi,
          "sliding-window mask"),
         (inputs.max_seqlen_q == 0 or inputs.batch * inputs.nhead_q == 0, "empty problem"),
     ]
@@ -96,7 +95,7 @@ def _bias_reason(inputs: AttentionInputs) -> str | None:
     stride_b, stride_h, stride_row, stride_col = bias.stride()
     if bias.dtype != inputs.q.dtype:
         return f"an elementwise bias of dtype {bias.dtype}, not q's"
-    if inputs.alibi_slopes is not None or (inputs.mask.type != MaskType.NONE and not inputs.mask.is_causal):
+    if inputs.alibi_slopes is not None or inputs.mask.is_window:
         return "an elementwise bias with ALiBi or a sliding window"  # not compile-checked or tested together
     aligned = all(st * bias.element_size() % 16 == 0 for st in (stride_b, stride_h, stride_row))
     if stride_col != 1 or stride_row == 0 or not aligned or bias.data_ptr() % 16:
@@ -177,8 +176,7 @@ def _dropout_bwd_reason(inputs: AttentionInputs, deterministic: bool) -> str | N
     """Why the backward with dropout cannot take the fast path, or None (its producer warpgroup
     makes the masks; see kernels/hopper_bwd's DROPOUT)."""
     cfg = HOPPER_BWD_CONFIGS[inputs.head_dim_q]
-    features = (inputs.alibi_slopes is not None or inputs.nhead_q != inputs.nhead_k
-                or (inputs.mask.type != MaskType.NONE and not inputs.mask.is_causal))
+    features = inputs.alibi_slopes is not None or inputs.nhead_q != inputs.nhead_k or inputs.mask.is_window
     why = [
         (not cfg.dropout, f"at head dim {inputs.head_dim_q}"),
         (features and not cfg.dropout_features, f"with a sliding window, ALiBi or GQA at head dim {inputs.head_dim_q}"),
@@ -199,7 +197,7 @@ def _deterministic_reason(inputs: AttentionInputs) -> str | None:
         (not HOPPER_BWD_CONFIGS[inputs.head_dim_q].deterministic_chains, f"at head dim {inputs.head_dim_q}"),
         (inputs.group, "in group mode"),
         (inputs.nhead_q != inputs.nhead_k, "with GQA/MQA"),
-        (inputs.mask.type != MaskType.NONE and not inputs.mask.is_causal, "with a sliding window"),
+        (inputs.mask.is_window, "with a sliding window"),
     ]
     for refused, what in why:
         if refused:
@@ -287,7 +285,7 @@ def _window_and_alibi_args(inputs: AttentionInputs, placeholder: torch.Tensor) -
         left=reach if mask.left < 0 else min(mask.left, reach),
         right=reach if mask.right < 0 else min(mask.right, reach),
         stride_ab=alibi_strides[0], stride_ah=alibi_strides[1],
-        WINDOW=mask.type != MaskType.NONE and not mask.is_causal, ALIBI=alibi_mode(inputs)[0],
+        WINDOW=mask.is_window, ALIBI=alibi_mode(inputs)[0],
     )
 
 
@@ -332,9 +330,8 @@ def fwd_persistent(inputs: AttentionInputs) -> bool:
     and ALiBi spill 16-128 B; the others were not measured so)."""
     cfg = HOPPER_FWD_CONFIGS[inputs.head_dim_q]
     limit = cfg.persistent_max_seqlen_causal if inputs.mask.is_causal else cfg.persistent_max_seqlen
-    plain = inputs.mask.type == MaskType.NONE or inputs.mask.is_causal
     features = inputs.alibi_slopes is not None or inputs.bias is not None or inputs.dropout_p > 0
-    return not inputs.group and plain and not features and inputs.max_seqlen_q <= limit
+    return not inputs.group and not inputs.mask.is_window and not features and inputs.max_seqlen_q <= limit
 
 
 def fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, philox: torch.Tensor | None = None):
@@ -481,13 +478,11 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
             sem_ptr=sems, seqlen=seqlen, H=nhead_k, kv_group=kv_group, qk_scale=inputs.scale * LOG2E,
             sm_scale=inputs.scale, inv_scale=1.0 / inputs.scale, BLOCK_M=block_m,
             HEAD_DIM=head_dim, STAGES=cfg.stages, DS_BUFS=cfg.ds_bufs, CAUSAL=inputs.mask.is_causal,
-            GROUP=inputs.group, CHAINS=chains, DKV_RS=cfg.dkv_rs and block_m == 64, num_warps=4, **features,
-            **dropout,
+            GROUP=inputs.group, CHAINS=chains, DKV_RS=cfg.dkv_rs and block_m == 64, num_warps=4,
+            # dropout: 12 warps (see HopperBwdConfig.dropout_consumer_regs)
+            CONSUMER_REGS=cfg.dropout_consumer_regs if dropout["DROPOUT"] else cfg.consumer_regs,
+            maxnreg=DROPOUT_MAXNREG if dropout["DROPOUT"] else cfg.maxnreg, **features, **dropout,
         )
-        if dropout["DROPOUT"]:  # 12 warps (see HopperBwdConfig.dropout_consumer_regs)
-            narrow.update(CONSUMER_REGS=cfg.dropout_consumer_regs, maxnreg=DROPOUT_MAXNREG)
-        else:
-            narrow.update(CONSUMER_REGS=cfg.consumer_regs, maxnreg=cfg.maxnreg)
         narrow.update(_bias_args(inputs, block_m, WG_KEYS.value))
         narrow.update(dbias_desc=k_desc, DBIAS=dbias_t is not None)
         if dbias_t is not None:

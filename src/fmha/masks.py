@@ -39,6 +39,11 @@ class Mask(NamedTuple):
         """True for ``left < 0 and right == 0`` from either corner (CK's "vertical" ALiBi case)."""
         return self.type != MaskType.NONE and self.left < 0 and self.right == 0
 
+    @property
+    def is_window(self) -> bool:
+        """A mask that is neither absent nor causal: a sliding window."""
+        return self.type != MaskType.NONE and not self.is_causal
+
     def diagonal_offset(self, seqlen_q: int, seqlen_k: int) -> int:
         """``off`` in the visibility rule: 0 from the top-left, ``sk - sq`` from the bottom-right."""
         return seqlen_k - seqlen_q if self.type == MaskType.BOTTOM_RIGHT else 0

@@ -41,10 +41,13 @@ CASES = [
     (1, 640, 3, 3, 256, "b", torch.float16, "bhsd"),
     (3, 1, 2, 2, 256, "t", torch.bfloat16, "bshd"),
 ]
-# More query tiles than SMs: each persistent forward CTA runs several, its rings running on (at
-# 2048 non-causal; the causal and longer ones run one CTA per tile since fwd_persistent's limits).
+# More query tiles than SMs: each persistent forward CTA runs several, its rings and Q buffers
+# running on (d = 64/128 at 2048 non-causal, d = 128 at 1024 causal; longer ones run one CTA per
+# tile since fwd_persistent's limits).
 PERSISTENT_CASES = [
     (4, 2048, 8, 8, 128, None, torch.bfloat16, "bshd"),
+    (8, 1024, 8, 8, 128, "t", torch.bfloat16, "bshd"),
+    (4, 2048, 8, 8, 64, None, torch.float16, "bshd"),
     (4, 2000, 8, 8, 128, "t", torch.bfloat16, "bshd"),
     (2, 3000, 8, 2, 64, None, torch.float16, "bshd"),
     (2, 2000, 8, 8, 256, "b", torch.bfloat16, "bshd"),

@@ -154,6 +154,9 @@ class HopperFwdConfig:
     # above them (0: never); not for windows, ALiBi or group mode.
     persistent_max_seqlen: int = 0
     persistent_max_seqlen_causal: int = 0
+    # Persistent CTAs load a tile's Q during the tile before, into a second Q buffer (2), where
+    # shared memory holds it (d=256 does not: 1, loaded as the tile starts).
+    persistent_q_bufs: int = 1
     bias: bool = False  # an elementwise bias tile through the K ring (its shared memory must fit)
     # Dropout runs two consumers of ``dropout_consumer_regs`` beside a warpgroup that
     # streams K/V and makes the masks (the default partition): 12 warps at 168 registers a thread,
@@ -177,11 +180,11 @@ HOPPER_FWD_CONFIGS: dict[int, HopperFwdConfig] = {
     # Persistent against one CTA per tile (same build, CUDA graphs, bf16, 16k tokens): 1k 1.12,
     # 4k 0.99, 16k 0.98; causal 1k 1.42, 4k 0.95, 16k 0.91, but causal persistent spills 8 B.
     64: HopperFwdConfig(128, 3, 3, 160, 128, min_seqlen=2048, min_seqlen_causal=4096, causal_alibi=False,
-                        persistent_max_seqlen=2048),
+                        persistent_max_seqlen=2048, persistent_q_bufs=2),
     # 623 TFLOP/s at s=16k (bf16). Persistent: 1k 1.24 (591 against 477), 4k 1.01, 16k 1.00; causal
     # 1k 1.06, 4k 0.91, 16k 0.88 (static turns balance causal tiles worse than the hardware's dispatch).
     128: HopperFwdConfig(128, 2, 2, 240, 168, persistent_max_seqlen=2048, persistent_max_seqlen_causal=1024,
-                         bias=True, bias_dropout_block_n=64, bias_dropout_stages=3, alibi_linear=True),
+                         persistent_q_bufs=2, bias=True, bias_dropout_block_n=64, bias_dropout_stages=3, alibi_linear=True),
     # 718 at s=16k. Persistent: 1k 1.09, 4k 0.98, 16k 0.97; causal 1k 0.86, 4k 0.93, 16k 0.86.
     # With dropout and a window 216 consumer registers spill 12 B, 224 none; with ALiBi too 56 B.
     256: HopperFwdConfig(64, 2, 2, 240, 168, persistent_max_seqlen=2048, bias=True, dropout_consumer_regs=224,

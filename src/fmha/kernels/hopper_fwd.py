@@ -2,7 +2,8 @@
 
 A query tile is ``64 * NUM_CONSUMERS`` rows of one (batch, head). A CTA runs one tile, or
 (``PERSISTENT``, short sequences) several in turn with the rings' slots and phases running on
-across them (see ``_tile``). Warp roles (``gl.warp_specialize``):
+across them (see ``_tile``), each tile's Q loaded during the tile before where two Q buffers fit
+(``Q_BUFS``). Warp roles (``gl.warp_specialize``):
 
 * consumer warpgroups (4 warps each; consumer 0 is the default partition) own 64 query rows. Per
   key tile j they issue ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` as async wgmma, run the online
@@ -366,19 +367,41 @@ def _consumer(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars
         pid = gl.program_id(0)
         grid = gl.num_programs(0)
         pos = 0  # key tiles through the ring so far, as in the producer
+        # Two Q buffers a consumer (where they fit): tile n + 1's Q loads while tile n runs.
+        Q_PREFETCH: gl.constexpr = q_bufs.shape[0] == 2 * (BLOCK_M // ROWS_PER_CONSUMER)
+        if Q_PREFETCH:
+            _load_q(WG, pid, 0, q_desc, q_bufs, q_bars, table_ptr, seqlen, H, tiles, BLOCK_M, CAUSAL)
         for t in range(pid, tiles, grid):
-            pos = _consume_tile(WG, t, pos, (t - pid) // grid, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars,
+            done = (t - pid) // grid
+            if Q_PREFETCH:
+                if t + grid < tiles:  # into the buffer of tile done - 1, once its O store has read it
+                    tma.store_wait(0)
+                    _load_q(WG, t + grid, (done + 1) % 2, q_desc, q_bufs, q_bars, table_ptr, seqlen, H, tiles,
+                            BLOCK_M, CAUSAL)
+            pos = _consume_tile(WG, t, pos, done, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars,
                                 k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr,
                                 table_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b, lse_stride_h,
                                 qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, mask_bufs, mask_ready,
                                 drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI,
                                 GROUP, PERSISTENT, BIAS, DROPOUT)
+        if Q_PREFETCH:  # the last O store has read its buffer before the CTA ends
+            tma.store_wait(0)
     else:  # one tile per CTA
         _consume_tile(WG, gl.program_id(0), gl.to_tensor(0), 0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars,
                       k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen,
                       H, tiles, stride_os, stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr,
                       stride_ab, stride_ah, mask_bufs, mask_ready, drop_scale, BLOCK_M, BLOCK_N,
                       HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)
+
+
+@gluon.jit
+def _load_q(WG: gl.constexpr, t, slot, q_desc, q_bufs, q_bars, table_ptr, seqlen, H, tiles, BLOCK_M: gl.constexpr,
+            CAUSAL: gl.constexpr):
+    """Persistent, batch mode: warpgroup WG's Q rows of tile t into its buffer of pair ``slot``."""
+    b, h, m0 = _tile(t, seqlen, H, tiles, table_ptr, BLOCK_M, CAUSAL, True, False)
+    i = slot * (BLOCK_M // ROWS_PER_CONSUMER) + WG
+    mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, m0 + WG * ROWS_PER_CONSUMER, h, 0], q_bars.index(i), q_bufs.index(i))
 
 
 @gluon.jit
@@ -429,11 +452,15 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
     if ALIBI != 0:  # in log2 units, like the scores
         slope = gl.load(alibi_ptr + b * stride_ab + h * stride_ah) * LOG2E
 
-    q_smem = q_bufs.index(WG)
-    q_bar = q_bars.index(WG)
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [bd, row_base + row0, h, 0], q_bar, q_smem)
-    mbarrier.wait(q_bar, done & 1)
+    # Q buffers: one a consumer (loaded here), or two a consumer in turn (loaded ahead, _consumer)
+    Q_BUFS: gl.constexpr = q_bufs.shape[0] // (BLOCK_M // ROWS)
+    q_index = (done % Q_BUFS) * (BLOCK_M // ROWS) + WG
+    q_smem = q_bufs.index(q_index)
+    q_bar = q_bars.index(q_index)
+    if Q_BUFS == 1:
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [bd, row_base + row0, h, 0], q_bar, q_smem)
+    mbarrier.wait(q_bar, (done // Q_BUFS) & 1)
     q_tile = q_smem.reshape([ROWS, HEAD_DIM])
 
     # The first tile is always masked: cheap, and it keeps the loops below uniform.
@@ -514,7 +541,8 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
         q_tile.store(o_acc.to(dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [bd, row_base + row0, h, 0], q_smem)
-        tma.store_wait(0)  # before the next tile's Q lands in this buffer
+        if Q_BUFS == 1:
+            tma.store_wait(0)  # before the next tile's Q lands in this buffer
     return ring0 + end
 
 
@@ -576,6 +604,7 @@ def _drop_key_tile(u, m0, kv0, key_lo, key_hi, base_lo, base_hi, threshold, mask
 # (no window), 2 slope * j (causal), slopes [B?, H] strided;
 # BIAS: an elementwise bias through ``bias_desc`` over ``[B or 1, H or 1, S, S]`` (coordinates b *
 # bias_step_b, h * bias_step_h: 0 for a broadcast dim), else ``bias_desc`` stands in as k_desc.
+# Q_BUFS: Q buffers a consumer, 2 (persistent, batch mode) to load a tile's Q during the tile before.
 @gluon.jit(do_not_specialize=["seqlen", "H", "kv_group", "tiles", "left", "right", "stride_ab", "stride_ah",
                               "stride_os", "stride_oh", "lse_stride_b", "lse_stride_h", "bias_step_b", "bias_step_h",
                               "threshold"])
@@ -583,14 +612,16 @@ def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, out_p
                                 table_ptr, philox_ptr, seqlen, H, kv_group, tiles, qk_scale, left, right, stride_ab,
                                 stride_ah, stride_os, stride_oh, lse_stride_b, lse_stride_h, bias_step_b, bias_step_h,
                                 threshold, drop_scale, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                                STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr, GROUP: gl.constexpr,
-                                PERSISTENT: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr):
+                                STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, Q_BUFS: gl.constexpr,
+                                CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                                ALIBI: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr, BIAS: gl.constexpr,
+                                DROPOUT: gl.constexpr):
     gl.static_assert(NUM_CONSUMERS == 2 or (NUM_CONSUMERS == 3 and not DROPOUT))
+    gl.static_assert(Q_BUFS == 1 or (Q_BUFS == 2 and PERSISTENT and not GROUP))
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * NUM_CONSUMERS
     dtype: gl.constexpr = q_desc.dtype
 
-    q_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [Q_BUFS * NUM_CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     if BIAS:  # slot wg * STAGES + s: consumer wg's rows for K's slot s
@@ -598,12 +629,12 @@ def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, out_p
                                               bias_desc.layout)
     else:
         bias_bufs = k_bufs  # never read
-    q_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [Q_BUFS * NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_CONSUMERS):
+    for i in gl.static_range(Q_BUFS * NUM_CONSUMERS):
         mbarrier.init(q_bars.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)

@@ -184,7 +184,8 @@ HOPPER_FWD_CONFIGS: dict[int, HopperFwdConfig] = {
     # 623 TFLOP/s at s=16k (bf16). Persistent: 1k 1.24 (591 against 477), 4k 1.01, 16k 1.00; causal
     # 1k 1.06, 4k 0.91, 16k 0.88 (static turns balance causal tiles worse than the hardware's dispatch).
     128: HopperFwdConfig(128, 2, 2, 240, 168, persistent_max_seqlen=2048, persistent_max_seqlen_causal=1024,
-                         persistent_q_bufs=2, bias=True, bias_dropout_block_n=64, bias_dropout_stages=3, alibi_linear=True),
+                         persistent_q_bufs=2, bias=True, bias_dropout_block_n=64, bias_dropout_stages=3,
+                         alibi_linear=True),
     # 718 at s=16k. Persistent: 1k 1.09, 4k 0.98, 16k 0.97; causal 1k 0.86, 4k 0.93, 16k 0.86.
     # With dropout and a window 216 consumer registers spill 12 B, 224 none; with ALiBi too 56 B.
     256: HopperFwdConfig(64, 2, 2, 240, 168, persistent_max_seqlen=2048, bias=True, dropout_consumer_regs=224,

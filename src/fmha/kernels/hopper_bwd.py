@@ -133,6 +133,13 @@ def _this_program(seqlen, H, KEYS: gl.constexpr, LAST_FIRST: gl.constexpr = Fals
 
 
 @gluon.jit
+def _key_tile_program(seqlen, H, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, CHAINS: gl.constexpr):
+    """``_this_program`` of the narrow kernel's CTAs: in the deterministic mode under a causal mask
+    with one query tile a key tile per step, last first (see ``_rank``)."""
+    return _this_program(seqlen, H, BLOCK_N, CAUSAL and CHAINS > 0 and BLOCK_M == BLOCK_N)
+
+
+@gluon.jit
 def _query_tiles(n0, seqlen, BLOCK_M: gl.constexpr, KEYS: gl.constexpr, CAUSAL: gl.constexpr):
     """(m_lo, m_mask_end, m_hi) in query tiles for the KEYS keys from n0: tiles [m_lo, m_mask_end)
     need the mask (causal diagonal, or all tiles of a ragged key tile), the rest none."""
@@ -347,7 +354,7 @@ def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, bias_desc, 
               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr,
               WINDOW: gl.constexpr, GROUP: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
               CHAINS: gl.constexpr, DROPOUT: gl.constexpr):
-    b, h, bh, n0 = _this_program(seqlen, H, BLOCK_N, CAUSAL and CHAINS > 0 and BLOCK_M == BLOCK_N)  # (see _rank)
+    b, h, bh, n0 = _key_tile_program(seqlen, H, BLOCK_M, CAUSAL, CHAINS)
     bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
     # Group mode: the grid covers the longest sequence; a CTA past its sequence loads its K/V and
     # runs no query tile (the consumers then add zero dK/dV), which keeps the control flow simple.
@@ -626,7 +633,7 @@ def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_buf
               DS_BUFS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
               GROUP: gl.constexpr, BIAS: gl.constexpr, CHAINS: gl.constexpr, DKV_RS: gl.constexpr,
               DROPOUT: gl.constexpr):
-    b, h, bh, n0 = _this_program(seqlen, H, BLOCK_N, CAUSAL and CHAINS > 0 and BLOCK_M == BLOCK_N)  # (see _rank)
+    b, h, bh, n0 = _key_tile_program(seqlen, H, BLOCK_M, CAUSAL, CHAINS)
     bd, row_base, seqlen_b = packed_sequence(b, seqlen, seqstart_ptr, GROUP)
     _consumer_keys(WG, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
                    dq_bufs, p_bufs, bias_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty,

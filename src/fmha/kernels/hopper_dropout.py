@@ -43,6 +43,17 @@ def _philox(c0, c1, c2, c3, k0, k1):
 
 
 @gluon.jit
+def _ck_words(key_lo, key_hi, base_lo, base_hi, row_tile, a, col, col0, zero):
+    """The four words of the Philox call of 32-row tile ``row_tile``, ``a`` and column ``col0 +
+    col`` (``col0`` a multiple of 32), broadcast to ``zero``'s shape: counter ``base + 32a + col %
+    32`` (64-bit), then the row and column tiles."""
+    ctr_lo = base_lo + (32 * a + col % 32).to(gl.uint32)
+    ctr_hi = base_hi + (ctr_lo < base_lo).to(gl.uint32)
+    return _philox(ctr_lo + zero, ctr_hi + zero, row_tile.to(gl.uint32) + zero,
+                   ((col0 + col) // 32).to(gl.uint32) + zero, key_lo, key_hi)
+
+
+@gluon.jit
 def _mul_wide(x, M: gl.constexpr):
     """(low, high) words of x * M: one 32x32->64 multiply (IMAD.WIDE) where umulhi and a
     multiply make two."""
@@ -93,13 +104,8 @@ def dropout_mask_pairs(key_lo, key_hi, base_lo, base_hi, row0, col0, threshold, 
     pair = gl.arange(0, COLS // 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, call3)))[None, None, :, None]
     half = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, by_call))))[None, None, None, :]
     col = 2 * pair + half  # [1, 1, COLS // 2, 2]
-    lane = (32 * a + col % 32).to(gl.uint32)
-    ctr_lo = base_lo + lane
-    ctr_hi = base_hi + (ctr_lo < base_lo).to(gl.uint32)
-    row_tile = (row0 // 32 + tile).to(gl.uint32)
-    col_tile = ((col0 + col) // 32).to(gl.uint32)
     zero = gl.zeros([2, 2, COLS // 2, 2], gl.uint32, by_call)
-    w0, w1, w2, w3 = _philox(ctr_lo + zero, ctr_hi + zero, row_tile + zero, col_tile + zero, key_lo, key_hi)
+    w0, w1, w2, w3 = _ck_words(key_lo, key_hi, base_lo, base_hi, row0 // 32 + tile, a, col, col0, zero)
     t = threshold.to(gl.uint32) * 0x01010101
     c = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, calls)))))
     e = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, calls)))))
@@ -139,13 +145,8 @@ def dropout_mask_query_pairs(key_lo, key_hi, base_lo, base_hi, row0, col0, thres
     col = gl.arange(0, COLS, layout=gl.SliceLayout(1, gl.SliceLayout(2, calls)))[:, None, None]
     tile = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, calls)))[None, :, None]
     a = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, calls)))[None, None, :]
-    lane = (32 * a + col % 32).to(gl.uint32)
-    ctr_lo = base_lo + lane
-    ctr_hi = base_hi + (ctr_lo < base_lo).to(gl.uint32)
     zero = gl.zeros([COLS, 2, 2], gl.uint32, calls)
-    row_tile = (row0 // 32 + tile).to(gl.uint32) + zero
-    col_tile = ((col0 + col) // 32).to(gl.uint32) + zero
-    w0, w1, w2, w3 = _philox(ctr_lo + zero, ctr_hi + zero, row_tile, col_tile, key_lo, key_hi)
+    w0, w1, w2, w3 = _ck_words(key_lo, key_hi, base_lo, base_hi, row0 // 32 + tile, a, col, col0, zero)
     t = threshold.to(gl.uint32) * 0x01010101
     # [column, row tile, a, half, K % 2, c] -> [column, row tile, c, a, K % 2, half]
     c0 = gl.join(_row_pairs(w0, t), _row_pairs(w1, t))

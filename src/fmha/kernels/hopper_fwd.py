@@ -368,23 +368,23 @@ def _consumer(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars
         grid = gl.num_programs(0)
         pos = 0  # key tiles through the ring so far, as in the producer
         # Two Q buffers a consumer (where they fit): tile n + 1's Q loads while tile n runs.
-        Q_PREFETCH: gl.constexpr = q_bufs.shape[0] == 2 * (BLOCK_M // ROWS_PER_CONSUMER)
-        if Q_PREFETCH:
-            _load_q(WG, pid, 0, q_desc, q_bufs, q_bars, table_ptr, seqlen, H, tiles, BLOCK_M, CAUSAL)
+        Q_BUFS: gl.constexpr = q_bufs.shape[0] // (BLOCK_M // ROWS_PER_CONSUMER)
+        if Q_BUFS == 2:
+            _prefetch_q(WG, pid, 0, q_desc, q_bufs, q_bars, table_ptr, seqlen, H, tiles, BLOCK_M, CAUSAL)
         for t in range(pid, tiles, grid):
             done = (t - pid) // grid
-            if Q_PREFETCH:
+            if Q_BUFS == 2:
                 if t + grid < tiles:  # into the buffer of tile done - 1, once its O store has read it
                     tma.store_wait(0)
-                    _load_q(WG, t + grid, (done + 1) % 2, q_desc, q_bufs, q_bars, table_ptr, seqlen, H, tiles,
-                            BLOCK_M, CAUSAL)
+                    _prefetch_q(WG, t + grid, (done + 1) % 2, q_desc, q_bufs, q_bars, table_ptr, seqlen, H, tiles,
+                                BLOCK_M, CAUSAL)
             pos = _consume_tile(WG, t, pos, done, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars,
                                 k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr,
                                 table_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b, lse_stride_h,
                                 qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, mask_bufs, mask_ready,
                                 drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI,
                                 GROUP, PERSISTENT, BIAS, DROPOUT)
-        if Q_PREFETCH:  # the last O store has read its buffer before the CTA ends
+        if Q_BUFS == 2:  # the last O store has read its buffer before the CTA ends
             tma.store_wait(0)
     else:  # one tile per CTA
         _consume_tile(WG, gl.program_id(0), gl.to_tensor(0), 0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars,
@@ -395,13 +395,18 @@ def _consumer(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars
 
 
 @gluon.jit
-def _load_q(WG: gl.constexpr, t, slot, q_desc, q_bufs, q_bars, table_ptr, seqlen, H, tiles, BLOCK_M: gl.constexpr,
-            CAUSAL: gl.constexpr):
+def _load_q(q_desc, q_bufs, q_bars, i, b, row, h):
+    """Q rows from ``row`` of (batch coordinate b, head h) into Q buffer i, on its barrier."""
+    mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, row, h, 0], q_bars.index(i), q_bufs.index(i))
+
+
+@gluon.jit
+def _prefetch_q(WG: gl.constexpr, t, slot, q_desc, q_bufs, q_bars, table_ptr, seqlen, H, tiles,
+                BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
     """Persistent, batch mode: warpgroup WG's Q rows of tile t into its buffer of pair ``slot``."""
     b, h, m0 = _tile(t, seqlen, H, tiles, table_ptr, BLOCK_M, CAUSAL, True, False)
-    i = slot * (BLOCK_M // ROWS_PER_CONSUMER) + WG
-    mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b, m0 + WG * ROWS_PER_CONSUMER, h, 0], q_bars.index(i), q_bufs.index(i))
+    _load_q(q_desc, q_bufs, q_bars, slot * (BLOCK_M // ROWS_PER_CONSUMER) + WG, b, m0 + WG * ROWS_PER_CONSUMER, h)
 
 
 @gluon.jit
@@ -456,11 +461,9 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
     Q_BUFS: gl.constexpr = q_bufs.shape[0] // (BLOCK_M // ROWS)
     q_index = (done % Q_BUFS) * (BLOCK_M // ROWS) + WG
     q_smem = q_bufs.index(q_index)
-    q_bar = q_bars.index(q_index)
     if Q_BUFS == 1:
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [bd, row_base + row0, h, 0], q_bar, q_smem)
-    mbarrier.wait(q_bar, (done // Q_BUFS) & 1)
+        _load_q(q_desc, q_bufs, q_bars, q_index, bd, row_base + row0, h)
+    mbarrier.wait(q_bars.index(q_index), (done // Q_BUFS) & 1)
     q_tile = q_smem.reshape([ROWS, HEAD_DIM])
 
     # The first tile is always masked: cheap, and it keeps the loops below uniform.

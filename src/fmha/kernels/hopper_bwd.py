@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .common import LOG2E
 from .hopper_dropout import dropout_mask_query_pairs, philox_key_and_base
-from .hopper_fwd import packed_sequence
+from .hopper_fwd import packed_sequence, widened
 
 BLOCK_N = gl.constexpr(128)  # keys per CTA
 WG_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one m64 wgmma)
@@ -472,7 +472,7 @@ def _scores_start(WG: gl.constexpr, it, s, lse_bufs, bias_bufs, bias_ready, bias
         mbarrier.wait(bias_ready.index(0), it & 1)
         bias_t = bias_bufs.index(WG).reshape([BLOCK_M, WG_KEYS]).permute((1, 0)).load(sT_layout)
         mbarrier.arrive(bias_empty.index(0))  # in registers: the producer may load the next step's
-        start = bias_t.to(gl.float32) * inv_scale + neg_lse
+        start = widened(bias_t) * inv_scale + neg_lse
     else:
         start = gl.zeros([WG_KEYS, BLOCK_M], gl.float32, sT_layout) + neg_lse
     return start

@@ -6,8 +6,8 @@
 
 ``loops`` compiles one launch of ``fmha.compile_check`` (named as it prints them) for sm_90 on the
 CPU, disassembles its cubin with the nvdisasm that ships with Triton (``asm["sass"]`` stops at
-4,096 instructions) and prints every loop of more than 100 instructions: a loop is a backward
-branch's span, so a step's count includes branches not taken.
+4,096 instructions) and prints every innermost loop of more than 100 instructions: a loop is a
+backward branch's span, so a step's count includes branches not taken.
 
 ``stalls`` reads ncu's source page of one launch (``ncu --section SourceCounters --import-source
 yes -o prof ...``, then ``ncu -i prof.ncu-rep --page source --csv --print-source sass > prof.csv``)

@@ -22,8 +22,8 @@ class _NoLaunch:
 
 def _stub_launches() -> None:
     fwd_launches, bwd_launches = hopper.fwd_launches, hopper.bwd_launches
-    hopper.fwd_unsupported = lambda inputs: None
-    hopper.bwd_unsupported = lambda inputs, deterministic: None
+    hopper.fwd_unsupported = lambda *args: None
+    hopper.bwd_unsupported = lambda *args: None
     hopper.fwd_launches = lambda *a: [(_NoLaunch(), grid, kw) for _, grid, kw in fwd_launches(*a)]
     hopper.bwd_launches = lambda *a: [(_NoLaunch(), grid, kw) for _, grid, kw in bwd_launches(*a)]
     ops.is_kernel_layout = lambda t: True  # CPU tensors: any layout passes, as aligned CUDA ones do

@@ -221,17 +221,20 @@ def _smem_layout(block: tuple[int, ...], dtype: torch.dtype, swizzle: bool):
 
 
 @functools.lru_cache(maxsize=4096)
-def _desc_fields(shape: tuple[int, ...], strides: tuple[int, ...], element_size: int, block: tuple[int, ...],
-                 layout) -> dict | None:
+def _desc_fields(shape: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype, block: tuple[int, ...],
+                 swizzle: bool) -> dict | None:
     """A TMA descriptor's fields but its base, or None where TMA does not take these strides (the
     last 1, the others multiples of 16 bytes) or shape; shared by every descriptor of this
-    geometry (nothing writes them)."""
+    geometry (nothing writes them). Keyed by the swizzle, not the layout: hashing a layout costs
+    a microsecond."""
     from triton._utils import validate_block_shape
 
     validate_block_shape(list(block))  # raises for a dim that is not a power of two, or too many elements
+    element_size = dtype.itemsize
     if 0 in shape or strides[-1] != 1 or any(st * element_size % 16 for st in strides[:-1]):
         return None
-    return dict(shape=list(shape), strides=list(strides), block_shape=list(block), layout=layout, padding="zero")
+    return dict(shape=list(shape), strides=list(strides), block_shape=list(block),
+                layout=_smem_layout(block, dtype, swizzle), padding="zero")
 
 
 @functools.cache
@@ -241,14 +244,15 @@ def _descriptor_class():
     return TensorDescriptor
 
 
-def _tma_desc(base: torch.Tensor, shape, strides, block: tuple[int, ...], layout):
-    """``TensorDescriptor(base, shape, strides, block, layout)`` without its constructor's checks
-    when they pass (they cost more host time than the launch: 13 descriptors in a forward and
-    backward at 1k; the checks' verdict and the fields are cached per geometry); when one fails,
-    the constructor itself raises."""
-    fields = _desc_fields(tuple(shape), tuple(strides), base.element_size(), block, layout)
+def _tma_desc(base: torch.Tensor, shape, strides, block: tuple[int, ...], swizzle: bool):
+    """``TensorDescriptor(base, shape, strides, block, _smem_layout(block, base.dtype, swizzle))``
+    without its constructor's checks when they pass (they cost more host time than the launch: 13
+    descriptors in a forward and backward at 1k; the checks' verdict and the fields are cached per
+    geometry); when one fails, the constructor itself raises."""
+    fields = _desc_fields(tuple(shape), tuple(strides), base.dtype, block, swizzle)
     if fields is None or base.data_ptr() % 16:
-        return _descriptor_class()(base, list(shape), list(strides), list(block), layout)
+        return _descriptor_class()(base, list(shape), list(strides), list(block),
+                                   _smem_layout(block, base.dtype, swizzle))
     desc = object.__new__(_descriptor_class())
     desc.__dict__.update(fields, base=base)
     return desc
@@ -261,13 +265,13 @@ def _desc(t: torch.Tensor, rows: int, cols: int, swizzle: bool = True):
 
 def _box_desc(t: torch.Tensor, block: tuple[int, ...], swizzle: bool = True):
     """A TMA descriptor over ``t`` with its own shape and strides and this box."""
-    return _tma_desc(t, t.shape, t.stride(), block, _smem_layout(block, t.dtype, swizzle))
+    return _tma_desc(t, t.shape, t.stride(), block, swizzle)
 
 
 def _stat_desc(t: torch.Tensor, block_m: int):
     """``[B, H, S_pad]`` fp32 statistics as 2-D ``[B*H, S_pad]``, unswizzled boxes ``[1, block_m]``."""
     t2 = t.view(-1, t.shape[-1])
-    return _tma_desc(t2, t2.shape, t2.stride(), (1, block_m), _smem_layout((1, block_m), t.dtype, False))
+    return _tma_desc(t2, t2.shape, t2.stride(), (1, block_m), False)
 
 
 def _window_and_alibi_args(inputs: AttentionInputs, placeholder: torch.Tensor) -> dict:
@@ -308,7 +312,7 @@ def _bias_args(inputs: AttentionInputs, rows: int, block_n: int) -> dict:
     shape = [batch if stride_b else 1, nhead if stride_h else 1, seqlen_q, seqlen_k]
     strides = [stride_b or stride_row * seqlen_q, stride_h or stride_row * seqlen_q, stride_row, 1]
     block = (1, 1, rows, block_n)
-    desc = _tma_desc(bias, shape, strides, block, _smem_layout(block, bias.dtype, True))
+    desc = _tma_desc(bias, shape, strides, block, True)
     return dict(bias_desc=desc, BIAS=True, bias_step_b=int(stride_b != 0), bias_step_h=int(stride_h != 0))
 
 

@@ -284,6 +284,26 @@ def test_backward_frees_the_inputs_it_saved(device, gen):
     assert alive() is None
     assert out.shape == x.shape
 
+def test_graph_only_where_a_gradient_is_wanted(device, gen):
+    """Without a gradient to take (no input requires one, or under no_grad) the call records no
+    graph, and its outputs equal those of the differentiable call."""
+    q, k, v = random_qkv(1, 8, 8, 2, 2, 16, 16, device=device, generator=gen)
+    bias = torch.randn(2, 8, 8, generator=gen).to(device)
+    kwargs = dict(bias=bias, mask="t", return_lse=True)
+    plain = fmha.attention(q, k, v, **kwargs)
+    with torch.no_grad():
+        quiet = fmha.attention(q.requires_grad_(), k, v, **kwargs)
+    graded = fmha.attention(q, k, v, **kwargs)
+    assert not plain.out.requires_grad and plain.out.grad_fn is None
+    assert not quiet.out.requires_grad
+    assert graded.out.grad_fn is not None and not graded.lse.requires_grad
+    for got in (plain, quiet):
+        torch.testing.assert_close(got.out, graded.out.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(got.lse, graded.lse, rtol=0, atol=0)
+    bias_only = fmha.attention(q.detach(), k, v, bias=bias.requires_grad_())
+    assert bias_only.grad_fn is not None
+
+
 
 @pytest.mark.parametrize("shape", [(3, 70, 130), (1, 2, 64, 64), (5, 1), (0, 4, 4)])
 def test_transposed_last_two_copies_the_transpose(shape, device):

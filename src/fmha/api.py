@@ -83,9 +83,15 @@ def _check_out(out, shape, q) -> None:
         raise ValueError(f"out: expected a contiguous head dim (stride 1), got strides {out.stride()}")
 
 
+def _needs_grad(*tensors) -> bool:
+    """Whether autograd must record a call on these tensors (``None`` for an absent bias)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _differentiable(q, k, v, *, deterministic, return_lse, return_randval, **kwargs):
     """The autograd path shared by ``attention`` and ``attention_varlen``: validate, then run the
-    ``fmha::fwd`` custom op (whose registered backward is ``fmha::bwd``)."""
+    ``fmha::fwd`` custom op (whose registered backward is ``fmha::bwd``) when tracing, its eager
+    twin when a gradient is wanted, and the forward alone when none is."""
     inputs = check_inputs(q, k, v, **kwargs)
     check_kernel_device(q)
     philox = None
@@ -99,10 +105,12 @@ def _differentiable(q, k, v, *, deterministic, return_lse, return_randval, **kwa
             inputs.seqstart_padded_q, inputs.seqstart_padded_k, inputs.scale, int(mask.type), mask.left,
             mask.right, inputs.dropout_p, inputs.max_seqlen_q, inputs.max_seqlen_k, inputs.lse_rows,
             bool(return_randval), bool(deterministic))
-    else:
+    elif _needs_grad(q, k, v, kwargs.get("bias")):
         out, lse, randval = autograd.EagerAttention.apply(
             inputs, inputs.q, inputs.k, inputs.v, kwargs.get("bias"), philox, bool(return_randval),
             bool(deterministic))
+    else:  # nothing to differentiate: autograd's Function would only add host time
+        out, lse, randval = ops.fwd(inputs, philox=philox, return_randval=bool(return_randval))
     if return_lse or return_randval:
         randval = randval if return_randval and inputs.dropout_p > 0 else None
         return AttentionOutput(out, lse.detach() if return_lse else None, randval)

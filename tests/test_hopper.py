@@ -390,3 +390,61 @@ def test_group_mode_tile_table_lists_every_tile_once_longest_sequence_first(leng
     expected = [(b << 40) | (h << 20) | m for b in order for h in range(nhead)
                 for m in reversed(range(-(-lengths[b] // block_m)))]
     assert table == expected + [-1] * (len(table) - len(expected))
+
+
+def _same_launches(got, want):
+    """Launches equal argument by argument: tensors the same objects, descriptors the same fields
+    over the same tensor, anything else equal."""
+    assert len(got) == len(want)
+    for (kernel, grid, kwargs), (kernel_w, grid_w, kwargs_w) in zip(got, want):
+        assert kernel is kernel_w and grid == grid_w and kwargs.keys() == kwargs_w.keys()
+        for name, value in kwargs.items():
+            expected = kwargs_w[name]
+            if isinstance(expected, torch.Tensor):
+                assert value is expected, name
+            elif type(expected).__name__ == "TensorDescriptor":
+                assert value.base is expected.base, name
+                assert {k: f for k, f in vars(value).items() if k != "base"} == \
+                    {k: f for k, f in vars(expected).items() if k != "base"}, name
+            else:
+                assert type(value) is type(expected) and value == expected, name
+
+
+@pytest.mark.parametrize("head_dim, seqlen, mask, layout", [
+    (128, 1000, None, "bshd"), (128, 1024, "t", "bshd"), (64, 3000, "b", "bhsd"), (256, 4096, "t", "bshd"),
+    (128, 1000, "b:100,0", "bshd"), (64, 517, None, "bhsd"),
+])
+def test_a_repeated_plain_forward_is_launched_from_its_plan(head_dim, seqlen, mask, layout):
+    """A second problem of the same geometry (other tensors) gets from the plan exactly what the
+    launch builder gives it; its descriptors are over its own tensors."""
+    def problem():
+        shape = (2, seqlen, 4, head_dim) if layout == "bshd" else (2, 4, seqlen, head_dim)
+        q, k, v = (torch.empty(shape, dtype=torch.bfloat16) for _ in range(3))
+        if layout == "bhsd":
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        inputs = check_inputs(q, k, v, mask=mask)
+        return inputs, torch.empty(inputs.out_shape, dtype=q.dtype), torch.empty(inputs.lse_shape)
+
+    hopper._FWD_PLANS.clear()
+    first = problem()
+    assert hopper._plain_fwd_signature(*first) is not None
+    _same_launches(hopper.fwd_launches(*first), hopper._build_fwd_launches(*first))
+    second = problem()
+    assert hopper._plain_fwd_signature(*second) in hopper._FWD_PLANS
+    _same_launches(hopper.fwd_launches(*second), hopper._build_fwd_launches(*second))
+
+
+def test_plans_are_not_used_for_features_or_after_a_config_changes(monkeypatch):
+    q = torch.empty(2, 1000, 4, 128, dtype=torch.bfloat16)
+    lse = torch.empty(2, 4, 1000)
+    for kwargs in (dict(alibi_slopes=torch.ones(4)), dict(dropout_p=0.1), dict(bias=torch.empty(4, 1000, 1000,
+                                                                                                dtype=q.dtype))):
+        assert hopper._plain_fwd_signature(check_inputs(q, q, q, **kwargs), torch.empty_like(q), lse) is None
+    misaligned = torch.empty(2 * 1000 * 4 * 128 + 1, dtype=q.dtype)[1:].view(q.shape)
+    assert hopper._plain_fwd_signature(check_inputs(misaligned, q, q), torch.empty_like(q), lse) is None
+    inputs, out = check_inputs(q, q, q), torch.empty_like(q)
+    hopper.fwd_launches(inputs, out, lse)
+    swapped = dataclasses.replace(hopper.HOPPER_FWD_CONFIGS[128], stages=3)
+    monkeypatch.setitem(hopper.HOPPER_FWD_CONFIGS, 128, swapped)
+    _, _, kwargs = hopper.fwd_launches(inputs, out, lse)[-1]
+    assert kwargs["STAGES"] == 3

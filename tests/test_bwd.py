@@ -284,6 +284,7 @@ def test_backward_frees_the_inputs_it_saved(device, gen):
     assert alive() is None
     assert out.shape == x.shape
 
+
 def test_graph_only_where_a_gradient_is_wanted(device, gen):
     """Without a gradient to take (no input requires one, or under no_grad) the call records no
     graph, and its outputs equal those of the differentiable call."""
@@ -302,7 +303,6 @@ def test_graph_only_where_a_gradient_is_wanted(device, gen):
         torch.testing.assert_close(got.lse, graded.lse, rtol=0, atol=0)
     bias_only = fmha.attention(q.detach(), k, v, bias=bias.requires_grad_())
     assert bias_only.grad_fn is not None
-
 
 
 @pytest.mark.parametrize("shape", [(3, 70, 130), (1, 2, 64, 64), (5, 1), (0, 4, 4)])

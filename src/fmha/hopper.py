@@ -253,6 +253,11 @@ def _tma_desc(base: torch.Tensor, shape, strides, block: tuple[int, ...], swizzl
     if fields is None or base.data_ptr() % 16:
         return _descriptor_class()(base, list(shape), list(strides), list(block),
                                    _smem_layout(block, base.dtype, swizzle))
+    return _rebased(fields, base)
+
+
+def _rebased(fields: dict, base: torch.Tensor):
+    """A TMA descriptor with these fields over ``base``, its constructor's checks passed before."""
     desc = object.__new__(_descriptor_class())
     desc.__dict__.update(fields, base=base)
     return desc
@@ -411,13 +416,6 @@ def _fwd_plan(cfg: HopperFwdConfig, launches, inputs: AttentionInputs, out: torc
             args[id(value)] = ([], index, fields)
         args[id(value)][0].append(name)
     return cfg, kernel, grid, static, [(tuple(names), index, fields) for names, index, fields in args.values()]
-
-
-def _rebased(fields: dict, base: torch.Tensor):
-    """A TMA descriptor with these fields over ``base``."""
-    desc = object.__new__(_descriptor_class())
-    desc.__dict__.update(fields, base=base)
-    return desc
 
 
 def _build_fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor,

@@ -47,15 +47,15 @@ def _arg_key(value):
 
 
 class _Launcher:
-    """One kernel (held, so that its id stays its own), its parameters (``(name, is_constexpr)``,
-    in order) and its compiled kernels by (device, ``key``)."""
+    """One kernel (held, so that its id stays its own), its parameters' names (all in order, the
+    constexprs and the others apart) and its compiled kernels by (device, ``key``)."""
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self.params = [(p.name, p.is_constexpr) for p in kernel.params]
-        self.names = frozenset(name for name, _ in self.params)
-        self.constexprs = [name for name, constexpr in self.params if constexpr]
-        self.runtime_args = [name for name, constexpr in self.params if not constexpr]
+        self.params = [p.name for p in kernel.params]  # in order
+        self.names = frozenset(self.params)
+        self.constexprs = [p.name for p in kernel.params if p.is_constexpr]
+        self.runtime_args = [p.name for p in kernel.params if not p.is_constexpr]
         self.compiled = {}
 
     def key(self, kwargs: dict) -> tuple:
@@ -99,4 +99,4 @@ def launch(kernel, grid: tuple[int, ...], kwargs: dict) -> None:
         return
     grid = (*grid, 1, 1)
     compiled.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device), compiled.function,
-                 compiled.packed_metadata, None, None, None, *[kwargs[name] for name, _ in launcher.params])
+                 compiled.packed_metadata, None, None, None, *map(kwargs.__getitem__, launcher.params))

@@ -133,8 +133,10 @@ def _with_sms(monkeypatch, sms):
     monkeypatch.setattr(hopper, "_sm_count", lambda index: sms)
 
 
-@pytest.mark.parametrize("seqlen, mask, portable", [(1024, None, True), (2048, None, False), (2048, "b", True),
-                                                    (4096, "t", False)])
+@pytest.mark.parametrize("seqlen, mask, portable", [
+    (1024, None, False),  # persistent CTAs
+    (1024, "b:100,0", True),  # windows run one CTA per tile
+    (4096, None, False), (2048, "b", True), (4096, "t", False)])
 def test_short_d64_forwards_take_the_faster_portable_kernels(monkeypatch, seqlen, mask, portable):
     _on_cuda(monkeypatch)
     q = torch.empty(1, seqlen, 2, 64, dtype=torch.bfloat16)

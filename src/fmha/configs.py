@@ -136,7 +136,7 @@ class HopperFwdConfig:
     tiles through a ``stages``-deep TMA ring; ``consumer_regs`` per consumer thread (setmaxnreg)
     within the kernel-wide ``maxnreg``: (consumers + 1) * 128 threads * maxnreg <= 65536.
     Sequences shorter than ``min_seqlen`` (``min_seqlen_causal`` under a causal mask) run the
-    portable kernels, which measured faster there."""
+    portable kernels, which measured faster there, unless they run persistent CTAs."""
 
     block_n: int
     stages: int
@@ -171,11 +171,12 @@ class HopperFwdConfig:
 
 # head dim -> config (fp16 and bf16 alike); all compile for sm_90a without spills.
 HOPPER_FWD_CONFIGS: dict[int, HopperFwdConfig] = {
-    # d=64, 16k tokens, TFLOP/s, portable against this kernel. Graph replay: 1k 347 against 335
-    # (causal 254 against 153), 2k 375 against 404 (causal 308 against 261), 4k causal 346 against
-    # 348. fmha bench: 1k 372 against 350 (causal 171 against 153), 2k causal 322 against 256. One
-    # CTA of 192 rows per SM pays its fill and drain on few key tiles; two portable CTAs per SM hide
-    # each other's.
+    # d=64, 16k tokens, TFLOP/s, portable against this kernel. Causal, graph replay: 1k 254 against
+    # 153, 2k 308 against 261, 4k 346 against 348; fmha bench 1k 171 against 153, 2k 322 against
+    # 256. One CTA of 192 rows per SM pays its fill and drain on few key tiles; two portable CTAs
+    # per SM hide each other's. Where the persistent form runs (below its limits, no features) it
+    # wins: 1k 387 / 386 against 372 / 372 (fmha bench, two rounds; 131072 tokens 410 / 403
+    # against 392 / 393), so ``min_seqlen`` does not apply there.
     # With ALiBi under a causal mask ptxas spills 360 B here (at d=128/256 nothing).
     # Persistent against one CTA per tile (same build, CUDA graphs, bf16, 16k tokens): 1k 1.12,
     # 4k 0.99, 16k 0.98; causal 1k 1.42, 4k 0.95, 16k 0.91, but causal persistent spills 8 B.

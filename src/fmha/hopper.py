@@ -143,7 +143,8 @@ def fwd_unsupported(inputs: AttentionInputs) -> str | None:
         if inputs.group and (inputs.batch >= 1 << 23 or inputs.nhead_q >= 1 << 20
                              or inputs.max_seqlen_q >= (1 << 20) * 64):
             return "group mode beyond the tile table's fields (2^23 sequences, 2^20 heads or query tiles)"
-        reason = _slower_reason(inputs, cfg.min_seqlen, cfg.min_seqlen_causal)
+        if not fwd_persistent(inputs):
+            reason = _slower_reason(inputs, cfg.min_seqlen, cfg.min_seqlen_causal)
     return reason
 
 

@@ -436,6 +436,35 @@ def test_a_repeated_plain_forward_is_launched_from_its_plan(head_dim, seqlen, ma
     _same_launches(hopper.fwd_launches(*second), hopper._build_fwd_launches(*second))
 
 
+def test_a_planned_forward_calls_its_compiled_kernel_after_the_first_launch(monkeypatch):
+    """The first launch of a plan goes through ``launch``; the next ones call the compiled kernel it
+    found with the builder's arguments in the kernel's order, until that kernel is no longer
+    valid (another device, debug settings, a launch hook)."""
+    def problem():
+        q, k, v = (torch.empty(2, 1024, 4, 128, dtype=torch.bfloat16) for _ in range(3))
+        inputs = check_inputs(q, k, v, mask="t")
+        return inputs, torch.empty(inputs.out_shape, dtype=q.dtype), torch.empty(inputs.lse_shape)
+
+    calls, valid = [], [True]
+    compiled = object()
+    monkeypatch.setattr(hopper, "launch", lambda kernel, grid, kwargs: calls.append(("launch", grid, kwargs)))
+    monkeypatch.setattr(hopper, "compiled_for", lambda kernel, kwargs: (compiled, [p.name for p in kernel.params]))
+    monkeypatch.setattr(hopper, "still_valid", lambda found: found is compiled and valid[0])
+    monkeypatch.setattr(hopper, "run_compiled", lambda found, grid, args: calls.append(("compiled", grid, args)))
+    hopper._FWD_PLANS.clear()
+    for valid[0], expected in ((True, "launch"), (True, "compiled"), (False, "launch")):
+        current = problem()
+        hopper.launch_fwd(*current)
+        (kernel, grid, kwargs), = hopper._build_fwd_launches(*current)
+        (how, got_grid, args), = calls
+        calls.clear()
+        assert how == expected and got_grid == grid
+        if how == "compiled":  # (the options, num_warps and maxnreg, are the compiled kernel's)
+            names = [p.name for p in kernel.params]
+            args, kwargs = dict(zip(names, args, strict=True)), {name: kwargs[name] for name in names}
+        _same_launches([(kernel, grid, args)], [(kernel, grid, kwargs)])
+
+
 def test_plans_are_not_used_for_features_or_after_a_config_changes(monkeypatch):
     q = torch.empty(2, 1000, 4, 128, dtype=torch.bfloat16)
     lse = torch.empty(2, 4, 1000)

@@ -221,6 +221,33 @@ def test_launch_caches_nothing_while_a_hook_is_set(fake_gpu):
     assert [call["through_run"] for call in fake_gpu[2:]] == [True, False]
 
 
+def test_a_compiled_kernel_found_once_is_launched_while_it_stays_valid(fake_gpu, monkeypatch):
+    from triton import knobs
+
+    from fmha.launch import compiled_for, launch, run_compiled, still_valid
+
+    args = _copy_args()
+    assert compiled_for(SCALE_COPY, args) is None  # before its first launch
+    launch(SCALE_COPY, (4,), args)
+    compiled, names = compiled_for(SCALE_COPY, args)
+    assert names == ["src", "dst", "n", "scale", "BLOCK"] and still_valid(compiled)
+    again = _copy_args(scale=3.0)
+    run_compiled(compiled, (4,), [again[name] for name in names])
+    via_run, direct = fake_gpu
+    assert not direct["through_run"] and direct["function"] is via_run["function"]
+    assert direct["grid"] == (4, 1, 1) and direct["stream"] == 1234
+    assert all(a is again[name] for a, name in zip(direct["args"], names, strict=True))
+    monkeypatch.setattr(knobs.runtime, "debug", True)
+    assert not still_valid(compiled)
+    monkeypatch.setattr(knobs.runtime, "debug", False)
+    knobs.runtime.launch_enter_hook.add(print)
+    try:
+        assert not still_valid(compiled)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(print)
+    assert still_valid(compiled)
+
+
 def test_tensor_subclasses_are_keyed_as_tensors_and_not_kept_alive(fake_gpu):
     import gc
     import weakref

@@ -19,7 +19,7 @@ import triton
 
 from .configs import HOPPER_BWD_CONFIGS, HOPPER_FWD_CONFIGS, HopperFwdConfig
 from .inputs import AttentionInputs
-from .launch import cdiv
+from .launch import cdiv, compiled_for, launch, run_compiled, still_valid
 from .kernels import INTERPRET
 
 LOG2E = 1.4426950408889634
@@ -352,33 +352,83 @@ def fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, 
     A plain batch-mode problem (no bias, ALiBi or dropout) whose geometry was built before is
     rebuilt from its plan: the launch with the tensors and descriptor bases of this call. Short
     calls are bound by the host, and building the launch cost it an eighth of such a call."""
+    plan = _plan(inputs, out, lse)
+    if plan is None:
+        return _build_fwd_launches(inputs, out, lse, philox)
+    return [(plan.kernel, plan.grid, plan.kwargs((inputs.q, inputs.k, inputs.v, out, lse)))]
+
+
+def launch_fwd(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, philox: torch.Tensor | None = None):
+    """Launch ``fwd_launches``; a planned one, after its first launch, straight through its
+    compiled kernel (no launch key to build: the plan's signature fixes it)."""
+    plan = _plan(inputs, out, lse)
+    if plan is None:
+        for kernel, grid, kwargs in _build_fwd_launches(inputs, out, lse, philox):
+            launch(kernel, grid, kwargs)
+    else:
+        plan.launch((inputs.q, inputs.k, inputs.v, out, lse))
+
+
+class _FwdPlan:
+    """One plain forward launch as a template: the config it was built with, kernel, grid, the
+    arguments that are no tensor (``static``) and for the others (their names, the index of their
+    tensor in (q, k, v, out, lse), a descriptor's fields or None), one entry per object. After its
+    first launch it also holds the compiled kernel and the same template in launch order."""
+
+    def __init__(self, cfg: HopperFwdConfig, kernel, grid: tuple, static: dict, args: list):
+        self.cfg, self.kernel, self.grid, self.static, self.args = cfg, kernel, grid, static, args
+        self.compiled = None
+        self.values: list = []  # the static values in launch order, the others' places None
+        self.places: list = []  # ([their places in launch order], index, fields), as ``args``
+
+    def kwargs(self, tensors: tuple) -> dict:
+        kwargs = dict(self.static)
+        for names, index, fields in self.args:
+            value = tensors[index] if fields is None else _rebased(fields, tensors[index])
+            for name in names:
+                kwargs[name] = value
+        return kwargs
+
+    def launch(self, tensors: tuple) -> None:
+        if self.compiled is None or not still_valid(self.compiled):
+            kwargs = self.kwargs(tensors)
+            launch(self.kernel, self.grid, kwargs)
+            found = compiled_for(self.kernel, kwargs)
+            if found is not None:
+                self.compiled, names = found
+                place = {name: i for i, name in enumerate(names)}
+                self.values = [self.static.get(name) for name in names]
+                self.places = [([place[name] for name in names_], index, fields)
+                               for names_, index, fields in self.args]
+            return
+        values = self.values.copy()
+        for places, index, fields in self.places:
+            value = tensors[index] if fields is None else _rebased(fields, tensors[index])
+            for i in places:
+                values[i] = value
+        run_compiled(self.compiled, self.grid, values)
+
+
+# Launch plans by ``_plain_fwd_signature``; cleared at 1024 plans.
+_FWD_PLANS: dict[tuple, _FwdPlan] = {}
+
+
+def _plan(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor) -> _FwdPlan | None:
+    """The plan of a plain batch-mode problem, built on its geometry's first call (and again when
+    the head dim's config object changes, as a tuning sweep does), or None for other problems."""
     signature = _plain_fwd_signature(inputs, out, lse)
     if signature is None:
-        return _build_fwd_launches(inputs, out, lse, philox)
+        return None
     cfg = HOPPER_FWD_CONFIGS[inputs.head_dim_q]
     plan = _FWD_PLANS.get(signature)
-    if plan is None or plan[0] is not cfg:  # (a tuning sweep swaps the configs)
-        launches = _build_fwd_launches(inputs, out, lse, philox)
-        plan = _fwd_plan(cfg, launches, inputs, out, lse)
+    if plan is None or plan.cfg is not cfg:
+        plan = _fwd_plan(cfg, _build_fwd_launches(inputs, out, lse), inputs, out, lse)
         if plan is None:
-            return launches
+            return None
         if len(_FWD_PLANS) >= 1024:
             _FWD_PLANS.clear()
         _FWD_PLANS[signature] = plan
-    _, kernel, grid, static, args = plan
-    tensors = (inputs.q, inputs.k, inputs.v, out, lse)
-    kwargs = dict(static)
-    for names, index, fields in args:
-        value = tensors[index] if fields is None else _rebased(fields, tensors[index])
-        for name in names:
-            kwargs[name] = value
-    return [(kernel, grid, kwargs)]
-
-
-# Launch plans by ``_plain_fwd_signature``: (the config they were built with, kernel, grid, the
-# arguments that are no tensor, and for the others (their names, the index of their tensor in (q,
-# k, v, out, lse), a descriptor's fields or None), one entry per object); cleared at 1024 plans.
-_FWD_PLANS: dict[tuple, tuple] = {}
+    return plan
 
 
 def _plain_fwd_signature(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor) -> tuple | None:
@@ -396,7 +446,7 @@ def _plain_fwd_signature(inputs: AttentionInputs, out: torch.Tensor, lse: torch.
 
 
 def _fwd_plan(cfg: HopperFwdConfig, launches, inputs: AttentionInputs, out: torch.Tensor,
-              lse: torch.Tensor) -> tuple | None:
+              lse: torch.Tensor) -> _FwdPlan | None:
     """The plan of one launch built with ``cfg`` whose tensor arguments are q, k, v, out, lse or
     TMA descriptors over them (None for anything else)."""
     if len(launches) != 1:
@@ -416,7 +466,7 @@ def _fwd_plan(cfg: HopperFwdConfig, launches, inputs: AttentionInputs, out: torc
             fields = None if base is value else {key: f for key, f in value.__dict__.items() if key != "base"}
             args[id(value)] = ([], index, fields)
         args[id(value)][0].append(name)
-    return cfg, kernel, grid, static, [(tuple(names), index, fields) for names, index, fields in args.values()]
+    return _FwdPlan(cfg, kernel, grid, static, [(tuple(names), index, fields) for names, index, fields in args.values()])
 
 
 def _build_fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor,

@@ -14,6 +14,8 @@ pre-run hooks, and the check that the globals a kernel read have not changed sin
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from triton import knobs
 from triton.knobs import HookChain
@@ -78,6 +80,13 @@ def _hooks_set() -> bool:
     return any(type(hook) is not HookChain or hook.calls for hook in hooks)
 
 
+def _launcher(kernel) -> _Launcher:
+    launcher = _LAUNCHERS.get(id(kernel))
+    if launcher is None or launcher.kernel is not kernel:
+        launcher = _LAUNCHERS[id(kernel)] = _Launcher(kernel)
+    return launcher
+
+
 def launch(kernel, grid: tuple[int, ...], kwargs: dict) -> None:
     """``kernel[grid](**kwargs)``, through the compiled kernel's launcher once Triton has built it.
 
@@ -86,9 +95,7 @@ def launch(kernel, grid: tuple[int, ...], kwargs: dict) -> None:
     if INTERPRET:
         kernel[grid](**kwargs)
         return
-    launcher = _LAUNCHERS.get(id(kernel))
-    if launcher is None or launcher.kernel is not kernel:
-        launcher = _LAUNCHERS[id(kernel)] = _Launcher(kernel)
+    launcher = _launcher(kernel)
     device = driver.active.get_current_device()
     key = (device, launcher.key(kwargs))
     compiled = launcher.compiled.get(key)
@@ -97,6 +104,44 @@ def launch(kernel, grid: tuple[int, ...], kwargs: dict) -> None:
         if getattr(compiled, "function", None) is not None and not _hooks_set():  # loaded, and no hook
             launcher.compiled[key] = compiled
         return
+    _run(compiled, device, grid, map(kwargs.__getitem__, launcher.params))
+
+
+class Compiled(NamedTuple):
+    """A compiled kernel as ``launch`` found it for one key: the device it was loaded on and the
+    debug and instrumentation settings it was compiled under (the key's last item)."""
+
+    kernel: object
+    device: int
+    settings: tuple
+
+
+def compiled_for(kernel, kwargs: dict) -> tuple[Compiled, list[str]] | None:
+    """What ``launch(kernel, grid, kwargs)`` would call on the current device, with the kernel's
+    parameter names in launch order, or None before its first launch there: a caller that
+    launches the same key again can keep these and call ``run_compiled`` without the key."""
+    if INTERPRET:
+        return None
+    launcher = _launcher(kernel)
+    device = driver.active.get_current_device()
+    key = launcher.key(kwargs)
+    compiled = launcher.compiled.get((device, key))
+    return None if compiled is None else (Compiled(compiled, device, key[-1]), launcher.params)
+
+
+def still_valid(compiled: Compiled) -> bool:
+    """Whether ``launch`` would call ``compiled`` now, for arguments of the key it was found by:
+    the same device, the same debug settings, and no launch hook set."""
+    return (driver.active.get_current_device() == compiled.device and not _hooks_set()
+            and (knobs.runtime.debug, knobs.compilation.instrumentation_mode) == compiled.settings)
+
+
+def run_compiled(compiled: Compiled, grid: tuple[int, ...], args) -> None:
+    """Launch ``compiled`` with every parameter's value (``args``, in the kernel's order)."""
+    _run(compiled.kernel, compiled.device, grid, args)
+
+
+def _run(kernel, device: int, grid: tuple[int, ...], args) -> None:
     grid = (*grid, 1, 1)
-    compiled.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device), compiled.function,
-                 compiled.packed_metadata, None, None, None, *map(kwargs.__getitem__, launcher.params))
+    kernel.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device), kernel.function,
+               kernel.packed_metadata, None, None, None, *args)

@@ -130,8 +130,7 @@ def fwd(
     # (a caller's ``out`` with misaligned strides takes the portable kernel, which writes any layout;
     # the fast path does not write the dropout bytes: return_randval takes the portable kernel)
     if is_kernel_layout(out) and randval is None and hopper.fwd_unsupported(inputs) is None:
-        for kernel, grid, kwargs in hopper.fwd_launches(inputs, out, lse, philox):
-            launch(kernel, grid, kwargs)
+        hopper.launch_fwd(inputs, out, lse, philox)
         return out, lse if return_lse else None, randval
     grid, kwargs = fwd_kernel_args(inputs, out, lse, randval, philox)
     if grid[0] > 0:

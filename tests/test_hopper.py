@@ -427,13 +427,44 @@ def test_a_repeated_plain_forward_is_launched_from_its_plan(head_dim, seqlen, ma
         inputs = check_inputs(q, k, v, mask=mask)
         return inputs, torch.empty(inputs.out_shape, dtype=q.dtype), torch.empty(inputs.lse_shape)
 
-    hopper._FWD_PLANS.clear()
+    hopper._PLANS.clear()
     first = problem()
-    assert hopper._plain_fwd_signature(*first) is not None
     _same_launches(hopper.fwd_launches(*first), hopper._build_fwd_launches(*first))
+    plan = hopper._fwd_plan(first[0], _fwd_tensors(*first))
+    assert plan is not None and len(hopper._PLANS) == 1
     second = problem()
-    assert hopper._plain_fwd_signature(*second) in hopper._FWD_PLANS
+    assert hopper._fwd_plan(second[0], _fwd_tensors(*second)) is plan
     _same_launches(hopper.fwd_launches(*second), hopper._build_fwd_launches(*second))
+
+
+def _fwd_tensors(inputs, out, lse):
+    return inputs.q, inputs.k, inputs.v, out, lse
+
+
+def _bwd_problem(head_dim, seqlen, mask, **kwargs):
+    """A backward's arguments to ``hopper.bwd_launches``: inputs, dout, out, lse, dq, dk, dv."""
+    q, k, v, dout, out = (torch.empty(2, seqlen, 4, head_dim, dtype=torch.bfloat16) for _ in range(5))
+    inputs = check_inputs(q, k, v, mask=mask, **kwargs)
+    return inputs, dout, out, torch.empty(inputs.lse_shape), *(torch.empty_like(q) for _ in range(3))
+
+
+@pytest.mark.parametrize("head_dim, seqlen, mask", [
+    (128, 1000, None), (64, 1024, "t"), (256, 1000, "b"), (128, 3000, "b:100,0"), (64, 517, None),
+])
+def test_a_repeated_plain_backward_is_launched_from_its_plan(head_dim, seqlen, mask):
+    """The backward's three launches from its plan equal the builder's over the same tensors (its
+    workspaces allocated anew each call); one plan per geometry."""
+    hopper._PLANS.clear()
+    plans = []
+    for _ in range(2):
+        problem = _bwd_problem(head_dim, seqlen, mask)
+        tensors = hopper._bwd_tensors(*problem, False, None)
+        plans.append(hopper._bwd_plan(problem[0], tensors, False, None))
+        assert plans[-1] is not None
+        _same_launches(plans[-1].launches(tensors), hopper._build_bwd_launches(problem[0], tensors, False, None, None))
+    assert plans[0] is plans[1] and len(hopper._PLANS) == 1
+    launches = hopper.bwd_launches(*_bwd_problem(head_dim, seqlen, mask))
+    assert [kernel for kernel, _, _ in launches] == [p.kernel for p in plans[0].planned]
 
 
 def test_a_planned_forward_calls_its_compiled_kernel_after_the_first_launch(monkeypatch):
@@ -451,7 +482,7 @@ def test_a_planned_forward_calls_its_compiled_kernel_after_the_first_launch(monk
     monkeypatch.setattr(hopper, "compiled_for", lambda kernel, kwargs: (compiled, [p.name for p in kernel.params]))
     monkeypatch.setattr(hopper, "still_valid", lambda found: found is compiled and valid[0])
     monkeypatch.setattr(hopper, "run_compiled", lambda found, grid, args: calls.append(("compiled", grid, args)))
-    hopper._FWD_PLANS.clear()
+    hopper._PLANS.clear()
     for valid[0], expected in ((True, "launch"), (True, "compiled"), (False, "launch")):
         current = problem()
         hopper.launch_fwd(*current)
@@ -465,17 +496,55 @@ def test_a_planned_forward_calls_its_compiled_kernel_after_the_first_launch(monk
         _same_launches([(kernel, grid, args)], [(kernel, grid, kwargs)])
 
 
+def test_a_planned_backward_calls_its_compiled_kernels_after_the_first_launch(monkeypatch):
+    calls, made = [], []
+    compiled = object()
+    monkeypatch.setattr(hopper, "launch", lambda kernel, grid, kwargs: calls.append(("launch", grid, kwargs)))
+    monkeypatch.setattr(hopper, "compiled_for", lambda kernel, kwargs: (compiled, _param_names(kernel)))
+    monkeypatch.setattr(hopper, "still_valid", lambda found: found is compiled)
+    monkeypatch.setattr(hopper, "run_compiled", lambda found, grid, args: calls.append(("compiled", grid, args)))
+    real_tensors = hopper._bwd_tensors
+    monkeypatch.setattr(hopper, "_bwd_tensors", lambda *a: made.append(real_tensors(*a)) or made[-1])
+    hopper._PLANS.clear()
+    for expected in ("launch", "compiled"):
+        problem = _bwd_problem(128, 1024, "t")
+        hopper.launch_bwd(*problem)
+        want = hopper._build_bwd_launches(problem[0], made[-1], False, None, None)
+        assert [how for how, _, _ in calls] == [expected] * 3
+        for (how, grid, args), (kernel, grid_w, kwargs) in zip(calls, want):
+            if how == "compiled":
+                names = _param_names(kernel)
+                args, kwargs = dict(zip(names, args, strict=True)), {name: kwargs[name] for name in names}
+            _same_launches([(kernel, grid, args)], [(kernel, grid_w, kwargs)])
+        calls.clear()
+
+
+def _param_names(kernel):
+    """A kernel's parameter names (on the CPU the Triton ones are the interpreter's functions)."""
+    return [p.name for p in kernel.params] if hasattr(kernel, "params") else kernel.arg_names
+
+
 def test_plans_are_not_used_for_features_or_after_a_config_changes(monkeypatch):
     q = torch.empty(2, 1000, 4, 128, dtype=torch.bfloat16)
     lse = torch.empty(2, 4, 1000)
     for kwargs in (dict(alibi_slopes=torch.ones(4)), dict(dropout_p=0.1), dict(bias=torch.empty(4, 1000, 1000,
                                                                                                 dtype=q.dtype))):
-        assert hopper._plain_fwd_signature(check_inputs(q, q, q, **kwargs), torch.empty_like(q), lse) is None
+        inputs = check_inputs(q, q, q, **kwargs)
+        assert hopper._plain_signature(inputs, (q, q, q, torch.empty_like(q), lse)) is None
+        problem = _bwd_problem(128, 1000, None, **kwargs)
+        assert hopper._bwd_plan(problem[0], hopper._bwd_tensors(*problem, False, None), False, None) is None
     misaligned = torch.empty(2 * 1000 * 4 * 128 + 1, dtype=q.dtype)[1:].view(q.shape)
-    assert hopper._plain_fwd_signature(check_inputs(misaligned, q, q), torch.empty_like(q), lse) is None
+    assert hopper._plain_signature(check_inputs(misaligned, q, q), (misaligned, q, q, torch.empty_like(q), lse)) is None
+    problem = _bwd_problem(128, 1000, None)
+    for deterministic, dbias_t in ((True, None), (False, torch.empty(2, 4, 1000, 1000, dtype=q.dtype))):
+        tensors = hopper._bwd_tensors(*problem, deterministic, dbias_t)
+        assert hopper._bwd_plan(problem[0], tensors, deterministic, dbias_t) is None
     inputs, out = check_inputs(q, q, q), torch.empty_like(q)
     hopper.fwd_launches(inputs, out, lse)
-    swapped = dataclasses.replace(hopper.HOPPER_FWD_CONFIGS[128], stages=3)
-    monkeypatch.setitem(hopper.HOPPER_FWD_CONFIGS, 128, swapped)
+    hopper.bwd_launches(*problem)
+    monkeypatch.setitem(hopper.HOPPER_FWD_CONFIGS, 128, dataclasses.replace(hopper.HOPPER_FWD_CONFIGS[128], stages=3))
+    monkeypatch.setitem(hopper.HOPPER_BWD_CONFIGS, 128, dataclasses.replace(hopper.HOPPER_BWD_CONFIGS[128], stages=3))
     _, _, kwargs = hopper.fwd_launches(inputs, out, lse)[-1]
+    assert kwargs["STAGES"] == 3
+    _, (_, _, kwargs), _ = hopper.bwd_launches(*problem)
     assert kwargs["STAGES"] == 3

@@ -17,7 +17,7 @@ import os
 import torch
 import triton
 
-from .configs import HOPPER_BWD_CONFIGS, HOPPER_FWD_CONFIGS, HopperFwdConfig
+from .configs import HOPPER_BWD_CONFIGS, HOPPER_FWD_CONFIGS
 from .inputs import AttentionInputs
 from .launch import cdiv, compiled_for, launch, run_compiled, still_valid
 from .kernels import INTERPRET
@@ -274,10 +274,9 @@ def _box_desc(t: torch.Tensor, block: tuple[int, ...], swizzle: bool = True):
     return _tma_desc(t, t.shape, t.stride(), block, swizzle)
 
 
-def _stat_desc(t: torch.Tensor, block_m: int):
-    """``[B, H, S_pad]`` fp32 statistics as 2-D ``[B*H, S_pad]``, unswizzled boxes ``[1, block_m]``."""
-    t2 = t.view(-1, t.shape[-1])
-    return _tma_desc(t2, t2.shape, t2.stride(), (1, block_m), False)
+def _stat_desc(rows: torch.Tensor, block_m: int):
+    """``[B*H, S_pad]`` fp32 statistics (the rows of ``[B, H, S_pad]``), unswizzled boxes ``[1, block_m]``."""
+    return _tma_desc(rows, rows.shape, rows.stride(), (1, block_m), False)
 
 
 def _window_and_alibi_args(inputs: AttentionInputs, placeholder: torch.Tensor) -> dict:
@@ -350,33 +349,48 @@ def fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, 
     (``[H, T]``) contiguous; ``philox`` the int64 (seed, offset) pair when dropout is on.
 
     A plain batch-mode problem (no bias, ALiBi or dropout) whose geometry was built before is
-    rebuilt from its plan: the launch with the tensors and descriptor bases of this call. Short
-    calls are bound by the host, and building the launch cost it an eighth of such a call."""
-    plan = _plan(inputs, out, lse)
+    rebuilt from its plan (``_Plan``): the launch with the tensors and descriptor bases of this
+    call. Short calls are bound by the host, and building the launch cost it an eighth of such a
+    call."""
+    tensors = (inputs.q, inputs.k, inputs.v, out, lse)
+    plan = _fwd_plan(inputs, tensors)
     if plan is None:
         return _build_fwd_launches(inputs, out, lse, philox)
-    return [(plan.kernel, plan.grid, plan.kwargs((inputs.q, inputs.k, inputs.v, out, lse)))]
+    return plan.launches(tensors)
 
 
 def launch_fwd(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, philox: torch.Tensor | None = None):
     """Launch ``fwd_launches``; a planned one, after its first launch, straight through its
     compiled kernel (no launch key to build: the plan's signature fixes it)."""
-    plan = _plan(inputs, out, lse)
+    tensors = (inputs.q, inputs.k, inputs.v, out, lse)
+    plan = _fwd_plan(inputs, tensors)
     if plan is None:
         for kernel, grid, kwargs in _build_fwd_launches(inputs, out, lse, philox):
             launch(kernel, grid, kwargs)
     else:
-        plan.launch((inputs.q, inputs.k, inputs.v, out, lse))
+        plan.launch(tensors)
 
 
-class _FwdPlan:
-    """One plain forward launch as a template: the config it was built with, kernel, grid, the
-    arguments that are no tensor (``static``) and for the others (their names, the index of their
-    tensor in (q, k, v, out, lse), a descriptor's fields or None), one entry per object. After its
-    first launch it also holds the compiled kernel and the same template in launch order."""
+def _fwd_plan(inputs: AttentionInputs, tensors: tuple) -> _Plan | None:
+    """The forward's plan for (q, k, v, out, lse), built on its geometry's first call."""
+    signature = _plain_signature(inputs, tensors)
+    if signature is None:
+        return None
+    cfg = HOPPER_FWD_CONFIGS[inputs.head_dim_q]
+    plan = _PLANS.get(("fwd", signature))
+    if plan is None or plan.cfg is not cfg:  # (a tuning sweep swaps the configs)
+        plan = _new_plan(("fwd", signature), cfg, _build_fwd_launches(inputs, *tensors[3:]), tensors)
+    return plan
 
-    def __init__(self, cfg: HopperFwdConfig, kernel, grid: tuple, static: dict, args: list):
-        self.cfg, self.kernel, self.grid, self.static, self.args = cfg, kernel, grid, static, args
+
+class _PlannedLaunch:
+    """One launch as a template: kernel, grid, the arguments that are no tensor (``static``) and
+    for the others (their names, the index of their tensor in the call's tensors, a descriptor's
+    fields or None), one entry per object. After its first launch it also holds the compiled
+    kernel and the same template in launch order."""
+
+    def __init__(self, kernel, grid: tuple, static: dict, args: list):
+        self.kernel, self.grid, self.static, self.args = kernel, grid, static, args
         self.compiled = None
         self.values: list = []  # the static values in launch order, the others' places None
         self.places: list = []  # ([their places in launch order], index, fields), as ``args``
@@ -409,64 +423,64 @@ class _FwdPlan:
         run_compiled(self.compiled, self.grid, values)
 
 
-# Launch plans by ``_plain_fwd_signature``; cleared at 1024 plans.
-_FWD_PLANS: dict[tuple, _FwdPlan] = {}
+class _Plan:
+    """A plain problem's launches as templates over its tensors (``_PlannedLaunch``), and the
+    config they were built with (a plan built with another is stale)."""
+
+    def __init__(self, cfg, launches: list[_PlannedLaunch]):
+        self.cfg, self.planned = cfg, launches
+
+    def launches(self, tensors: tuple) -> list:
+        return [(p.kernel, p.grid, p.kwargs(tensors)) for p in self.planned]
+
+    def launch(self, tensors: tuple) -> None:
+        for planned in self.planned:
+            planned.launch(tensors)
 
 
-def _plan(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor) -> _FwdPlan | None:
-    """The plan of a plain batch-mode problem, built on its geometry's first call (and again when
-    the head dim's config object changes, as a tuning sweep does), or None for other problems."""
-    signature = _plain_fwd_signature(inputs, out, lse)
-    if signature is None:
+# Launch plans by direction and ``_plain_signature``; cleared at 1024 plans.
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _plain_signature(inputs: AttentionInputs, tensors: tuple) -> tuple | None:
+    """Everything the launch builders read of a plain batch-mode problem (no bias, ALiBi or
+    dropout) but its tensors' addresses (all 16-byte aligned here, which is what the launches
+    specialize on), or None for other problems. ``tensors``: every tensor the launches take."""
+    if inputs.group or inputs.bias is not None or inputs.alibi_slopes is not None or inputs.dropout_p > 0:
         return None
-    cfg = HOPPER_FWD_CONFIGS[inputs.head_dim_q]
-    plan = _FWD_PLANS.get(signature)
-    if plan is None or plan.cfg is not cfg:
-        plan = _fwd_plan(cfg, _build_fwd_launches(inputs, out, lse), inputs, out, lse)
-        if plan is None:
-            return None
-        if len(_FWD_PLANS) >= 1024:
-            _FWD_PLANS.clear()
-        _FWD_PLANS[signature] = plan
-    return plan
-
-
-def _plain_fwd_signature(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor) -> tuple | None:
-    """Everything ``_build_fwd_launches`` reads of a plain batch-mode problem but its tensors'
-    addresses (all 16-byte aligned here, which is what the launch specializes on), or None."""
-    if (inputs.group or inputs.bias is not None or inputs.alibi_slopes is not None or inputs.dropout_p > 0
-            or not lse.is_contiguous()):
+    aligned = 0
+    for t in tensors:
+        aligned |= t.data_ptr()
+    if aligned % 16:
         return None
-    q, k, v = inputs.q, inputs.k, inputs.v
-    if (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr()) % 16:
-        return None
-    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.shape, out.stride(), lse.shape,
-            q.dtype, k.dtype, v.dtype, out.dtype, lse.dtype, q.device, inputs.batch, inputs.nhead_q,
+    return (*[(t.shape, t.stride(), t.dtype) for t in tensors], inputs.q.device, inputs.batch, inputs.nhead_q,
             inputs.nhead_k, inputs.head_dim_q, inputs.max_seqlen_q, inputs.scale, inputs.mask)
 
 
-def _fwd_plan(cfg: HopperFwdConfig, launches, inputs: AttentionInputs, out: torch.Tensor,
-              lse: torch.Tensor) -> _FwdPlan | None:
-    """The plan of one launch built with ``cfg`` whose tensor arguments are q, k, v, out, lse or
-    TMA descriptors over them (None for anything else)."""
-    if len(launches) != 1:
-        return None
-    kernel, grid, kwargs = launches[0]
-    tensors = (inputs.q, inputs.k, inputs.v, out, lse)
-    static, args = {}, {}
-    for name, value in kwargs.items():
-        base = value.base if type(value) is _descriptor_class() else value
-        if not isinstance(base, torch.Tensor):
-            static[name] = value
-            continue
-        index = next((i for i, t in enumerate(tensors) if t is base), None)
-        if index is None:
-            return None
-        if id(value) not in args:
-            fields = None if base is value else {key: f for key, f in value.__dict__.items() if key != "base"}
-            args[id(value)] = ([], index, fields)
-        args[id(value)][0].append(name)
-    return _FwdPlan(cfg, kernel, grid, static, [(tuple(names), index, fields) for names, index, fields in args.values()])
+def _new_plan(key: tuple, cfg, launches: list, tensors: tuple) -> _Plan | None:
+    """The plan of ``launches`` (built with ``cfg``) whose tensor arguments are ``tensors`` or TMA
+    descriptors over them, stored by ``key``; None if some argument is another tensor."""
+    planned = []
+    for kernel, grid, kwargs in launches:
+        static, args = {}, {}
+        for name, value in kwargs.items():
+            base = value.base if type(value) is _descriptor_class() else value
+            if not isinstance(base, torch.Tensor):
+                static[name] = value
+                continue
+            index = next((i for i, t in enumerate(tensors) if t is base), None)
+            if index is None:
+                return None
+            if id(value) not in args:
+                fields = None if base is value else {f: x for f, x in value.__dict__.items() if f != "base"}
+                args[id(value)] = ([], index, fields)
+            args[id(value)][0].append(name)
+        planned.append(_PlannedLaunch(kernel, grid, static, [(tuple(names), index, fields)
+                                                             for names, index, fields in args.values()]))
+    if len(_PLANS) >= 1024:
+        _PLANS.clear()
+    plan = _PLANS[key] = _Plan(cfg, planned)
+    return plan
 
 
 def _build_fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor,
@@ -534,7 +548,86 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
     dQ's adds in a fixed order (where ``bwd_unsupported`` allows it). ``dbias_t``: the bias's
     gradient is wanted, into this contiguous ``[B, Hq, S_k, S_q]`` tensor of q's dtype (its
     transpose is dS; zeroed under a causal mask, whose tiles above the diagonal never run).
-    ``philox``: the int64 (seed, offset) pair when dropout is on."""
+    ``philox``: the int64 (seed, offset) pair when dropout is on.
+
+    A plain batch-mode problem in atomic mode is rebuilt from its plan, as the forward's are."""
+    tensors = _bwd_tensors(inputs, dout, out, lse, dq, dk, dv, deterministic, dbias_t)
+    plan = _bwd_plan(inputs, tensors, deterministic, dbias_t)
+    if plan is None:
+        return _build_bwd_launches(inputs, tensors, deterministic, dbias_t, philox)
+    return plan.launches(tensors)
+
+
+def launch_bwd(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+               dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, deterministic: bool = False,
+               dbias_t: torch.Tensor | None = None, philox: torch.Tensor | None = None) -> None:
+    """Launch ``bwd_launches``; planned ones, after their first launch, straight through their
+    compiled kernels."""
+    tensors = _bwd_tensors(inputs, dout, out, lse, dq, dk, dv, deterministic, dbias_t)
+    plan = _bwd_plan(inputs, tensors, deterministic, dbias_t)
+    if plan is None:
+        for kernel, grid, kwargs in _build_bwd_launches(inputs, tensors, deterministic, dbias_t, philox):
+            launch(kernel, grid, kwargs)
+    else:
+        plan.launch(tensors)
+
+
+def _bwd_tensors(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, deterministic: bool,
+                 dbias_t: torch.Tensor | None) -> tuple:
+    """Every tensor the backward's launches take (``[B, S, H, D]`` views in group mode, see
+    ``fwd_launches``): q, k, v, dout, out, lse, dq, dk, dv, then its workspaces: -delta and -lse
+    per (sequence, head) with padded rows, as in batch mode (the next sequence's rows in a ragged
+    query tile then see -lse = -inf), both as ``[B * H, S_pad]`` rows too, dQ's fp32 accumulator
+    and the deterministic mode's turn counters (else -lse again: never read)."""
+    from .kernels.hopper_bwd import STAT_PAD
+
+    q, k, v = inputs.q, inputs.k, inputs.v
+    lse = lse.contiguous()
+    if inputs.group:  # [1, T, H, D] views: sequence b is a row range of the one "batch" (see fwd_launches)
+        q, k, v, dout, out, dq, dk, dv = (t.unsqueeze(0) for t in (q, k, v, dout, out, dq, dk, dv))
+        lse = lse.unsqueeze(0)
+    batch, seqlen, nhead = inputs.batch, inputs.max_seqlen_q, q.shape[2]
+    seqlen_pad = cdiv(seqlen, STAT_PAD) * STAT_PAD
+    neg_delta = torch.empty((batch, nhead, seqlen_pad), dtype=torch.float32, device=q.device)
+    neg_lse = torch.empty_like(neg_delta)
+    chains = HOPPER_BWD_CONFIGS[q.shape[3]].deterministic_chains if deterministic else 0
+    # In batch mode the preprocess's rows cover every row of dQ's accumulator, so it zeroes them.
+    dq_acc = (torch.zeros if inputs.group else torch.empty)(
+        (*q.shape[:2], q.shape[2] * max(chains, 1), q.shape[3]), dtype=torch.float32, device=q.device)
+    # deterministic: one turn counter per (batch * head, query tile, dQ copy)
+    sems = torch.zeros((batch * nhead, cdiv(seqlen, _bwd_block_m(inputs)), chains), dtype=torch.int32,
+                       device=q.device) if chains else neg_lse
+    return (q, k, v, dout, out, lse, dq, dk, dv, neg_delta, neg_lse, neg_delta.view(-1, seqlen_pad),
+            neg_lse.view(-1, seqlen_pad), dq_acc, sems)
+
+
+def _bwd_block_m(inputs: AttentionInputs) -> int:
+    """The narrow backward's query tile: the config's feature tile in group mode, with a window,
+    ALiBi, a bias or dropout."""
+    return HOPPER_BWD_CONFIGS[inputs.head_dim_q].block_m_for(
+        inputs.group or inputs.mask.is_window or inputs.alibi_slopes is not None or inputs.bias is not None
+        or inputs.dropout_p > 0)
+
+
+def _bwd_plan(inputs: AttentionInputs, tensors: tuple, deterministic: bool, dbias_t: torch.Tensor | None):
+    """The backward's plan for a plain batch-mode problem in atomic mode (its workspaces are
+    allocated uninitialized), built on its geometry's first call; None for other problems."""
+    if deterministic or dbias_t is not None:
+        return None
+    signature = _plain_signature(inputs, tensors)
+    if signature is None:
+        return None
+    cfg = HOPPER_BWD_CONFIGS[inputs.head_dim_q]
+    plan = _PLANS.get(("bwd", signature))
+    if plan is None or plan.cfg is not cfg:
+        plan = _new_plan(("bwd", signature), cfg, _build_bwd_launches(inputs, tensors, False, None, None), tensors)
+    return plan
+
+
+def _build_bwd_launches(inputs: AttentionInputs, tensors: tuple, deterministic: bool,
+                        dbias_t: torch.Tensor | None, philox: torch.Tensor | None):
+    """``bwd_launches`` built from the problem, over ``_bwd_tensors``."""
     from .kernels.hopper_bwd import (
         BLOCK_N,
         STAT_PAD,
@@ -546,29 +639,17 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
         hopper_bwd_preprocess,
     )
 
-    q, k, v = inputs.q, inputs.k, inputs.v
-    lse = lse.contiguous()
-    if inputs.group:  # [1, T, H, D] views: sequence b is a row range of the one "batch" (see fwd_launches)
-        q, k, v, dout, out, dq, dk, dv = (t.unsqueeze(0) for t in (q, k, v, dout, out, dq, dk, dv))
-        lse = lse.unsqueeze(0)
+    q, k, v, dout, out, lse, dq, dk, dv, neg_delta, neg_lse, neg_delta_rows, neg_lse_rows, dq_acc, sems = tensors
     nhead, head_dim = q.shape[2], q.shape[3]
-    batch, seqlen = inputs.batch, inputs.max_seqlen_q
+    batch, seqlen, seqlen_pad = inputs.batch, inputs.max_seqlen_q, neg_lse.shape[-1]
     cfg = HOPPER_BWD_CONFIGS[head_dim]
     # One CTA per key tile of each key/value head; it runs the query tiles of every query head
     # of its group (GQA/MQA) with its K/V resident.
     nhead_k = inputs.nhead_k
     kv_group = nhead // nhead_k
-    # Statistics per (sequence, head) with padded rows, as in batch mode: the next sequence's rows
-    # in a ragged query tile then see -lse = -inf.
-    seqlen_pad = cdiv(seqlen, STAT_PAD) * STAT_PAD
-    neg_delta = torch.empty((batch, nhead, seqlen_pad), dtype=torch.float32, device=q.device)
-    neg_lse = torch.empty_like(neg_delta)
     chains = cfg.deterministic_chains if deterministic else 0
     copies = max(chains, 1)  # the deterministic mode's dQ copies per head
-    # In batch mode the preprocess's rows cover every row of dQ's accumulator, so it zeroes them.
-    zero_acc = not inputs.group
-    dq_acc = (torch.empty if zero_acc else torch.zeros)((*q.shape[:2], q.shape[2] * copies, q.shape[3]),
-                                                         dtype=torch.float32, device=q.device)
+    zero_acc = not inputs.group  # (see _bwd_tensors)
     per_sequence = 0 if inputs.group else 1  # group mode: one packed "batch", sequences by seqstart
     preprocess = dict(
         O=out, DO=dout, Lse=lse, NegDelta=neg_delta, NegLse=neg_lse,
@@ -596,19 +677,15 @@ def bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
     else:
         features = _window_and_alibi_args(inputs, neg_lse)
         dropout = _dropout_args(inputs, philox, neg_lse)
-        block_m = cfg.block_m_for(inputs.group or features["WINDOW"] or features["ALIBI"] != 0
-                                  or inputs.bias is not None or dropout["DROPOUT"])
+        block_m = _bwd_block_m(inputs)
         dq_cols = head_dim if block_m == 128 else head_dim // 2
-        # deterministic: one turn counter per (batch * head, query tile, dQ copy)
-        sems = torch.zeros((batch * nhead, cdiv(seqlen, block_m), chains), dtype=torch.int32,
-                           device=q.device) if chains else neg_lse  # (atomic: never read)
         k_desc = _desc(k, BLOCK_N.value, head_dim)
         narrow = dict(
             q_desc=_desc(q, block_m, head_dim), k_desc=k_desc, bias_desc=k_desc,
             v_desc=_desc(v, WG_KEYS.value, head_dim), do_desc=_desc(dout, block_m, head_dim),
             dk_desc=_desc(dk, WG_KEYS.value, head_dim), dv_desc=_desc(dv, WG_KEYS.value, head_dim),
-            dq_desc=_desc(dq_acc, 64, dq_cols, swizzle=False), lse_desc=_stat_desc(neg_lse, block_m),
-            delta_desc=_stat_desc(neg_delta, block_m),
+            dq_desc=_desc(dq_acc, 64, dq_cols, swizzle=False), lse_desc=_stat_desc(neg_lse_rows, block_m),
+            delta_desc=_stat_desc(neg_delta_rows, block_m),
             seqstart_ptr=inputs.seqstart_q if inputs.group else neg_lse,
             sem_ptr=sems, seqlen=seqlen, H=nhead_k, kv_group=kv_group, qk_scale=inputs.scale * LOG2E,
             sm_scale=inputs.scale, inv_scale=1.0 / inputs.scale, BLOCK_M=block_m,

@@ -269,10 +269,13 @@ def bwd(
 
     ``dbias`` (when ``bias_grad``) is the true gradient reduced to the bias's own shape.
     """
-    launches, (dq, dk, dv, dbias_full) = bwd_launches(
-        inputs, dout, out, lse, philox=philox, deterministic=deterministic, bias_grad=bias_grad)
-    for kernel, grid, kwargs in launches:
-        launch(kernel, grid, kwargs)
+    inputs, dout, out, grads, dbias_t, fast = _bwd_setup(inputs, dout, out, deterministic, bias_grad)
+    if fast:
+        hopper.launch_bwd(inputs, dout, out, lse, *grads[:3], deterministic, dbias_t, philox)
+    else:
+        for kernel, grid, kwargs in _portable_bwd_launches(inputs, dout, out, lse, grads, philox, deterministic):
+            launch(kernel, grid, kwargs)
+    dq, dk, dv, dbias_full = grads
     return dq, dk, dv, _reduce_dbias(inputs, dbias_full)
 
 
@@ -293,6 +296,17 @@ def bwd_launches(
     mode computes dQ in programs that own their query tile and needs no workspace. Problems the
     Hopper fast path covers (``hopper.bwd_unsupported``) take its three launches instead.
     """
+    inputs, dout, out, grads, dbias_t, fast = _bwd_setup(inputs, dout, out, deterministic, bias_grad)
+    if fast:
+        return [Launch(*entry) for entry in hopper.bwd_launches(inputs, dout, out, lse, *grads[:3], deterministic,
+                                                                dbias_t, philox)], grads
+    return _portable_bwd_launches(inputs, dout, out, lse, grads, philox, deterministic), grads
+
+
+def _bwd_setup(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor, deterministic: bool,
+               bias_grad: bool):
+    """The backward's inputs in the kernels' layouts, its outputs ``(dq, dk, dv, dbias_full)``,
+    the fast path's transposed dS buffer (or None), and whether the fast path runs it."""
     inputs = _aligned(inputs)
     dout, out = kernel_layout(dout), kernel_layout(out)
     q, k, v = inputs.q, inputs.k, inputs.v
@@ -315,13 +329,17 @@ def bwd_launches(
         dbias_full = dbias_t.transpose(-1, -2)
     elif bias_grad:
         dbias_full = torch.zeros(inputs.bias.shape, dtype=acc_dtype, device=device)
-    grads = (dq, dk, dv, dbias_full)
-    if no_queries:
-        return [], grads
-    if fast:
-        return [Launch(*entry) for entry in hopper.bwd_launches(inputs, dout, out, lse, dq, dk, dv,
-                                                                deterministic, dbias_t, philox)], grads
+    return inputs, dout, out, (dq, dk, dv, dbias_full), dbias_t, fast
 
+
+def _portable_bwd_launches(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                           grads: tuple, philox: torch.Tensor | None, deterministic: bool) -> list[Launch]:
+    """The portable kernels' backward launches into ``grads`` (none without a query row)."""
+    if inputs.batch * inputs.nhead_q == 0 or inputs.max_seqlen_q == 0:
+        return []
+    dq, dk, dv, dbias_full = grads
+    q, group = inputs.q, inputs.group
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     cfg = bwd_config(q.dtype, inputs.head_dim_q, inputs.head_dim_v, has_bias=inputs.bias is not None,
                      has_dropout=inputs.dropout_p > 0)
     common = _problem_args(inputs, philox)
@@ -382,7 +400,7 @@ def bwd_launches(
             BLOCK_M=cfg.block_m_dq, BLOCK_DQ=common["BLOCK_DQ"], IS_GROUP=group,
             HAS_PADDED_Q=common["HAS_PADDED_Q"], HAS_CU_SEQLEN_Q=common["HAS_CU_SEQLEN_Q"],
         )))
-    return launches, grads
+    return launches
 
 
 def _dq_accumulator(inputs: AttentionInputs, dtype: torch.dtype, block_dq: int, block_m: int):

@@ -3,7 +3,7 @@
     python benchmarks/plot.py benchmarks/results/h200-fwd-bf16.jsonl benchmarks/results/h200-bwd-bf16.jsonl \
         -o docs/perf-h200.png
 
-When a cell was measured more than once, the latest record wins; ``--commit`` keeps only the
+When a cell was measured more than once, its latest run beside cuDNN wins; ``--commit`` keeps only the
 records of the given commits (one run of the grid, not a mix of sessions). Needs matplotlib
 (``pip install -e ".[bench]"``).
 """
@@ -30,8 +30,10 @@ STYLE = {
 
 
 def latest_cells(paths: list[str], commits: list[str] | None = None) -> dict[tuple, dict[str, float]]:
-    """``{(direction, head_dim, seqlen, causal): {provider: tflops}}`` of the plain cases, later
-    records replacing earlier; only those of ``commits`` when given."""
+    """``{(direction, head_dim, seqlen, causal): {provider: tflops}}`` of the plain cases, each
+    cell from its latest run that timed cuDNN beside fmha (a run of a cell starts at its fmha
+    record, which ``fmha bench`` writes first; runs without cuDNN, such as a ``--features`` run's
+    plain references, are not grid cells); only records of ``commits`` when given."""
     records = []
     for path in paths:
         with open(path) as f:
@@ -39,11 +41,18 @@ def latest_cells(paths: list[str], commits: list[str] | None = None) -> dict[tup
     if commits:
         records = [r for r in records if r.get("commit") in commits]
     records.sort(key=lambda r: r["time"])
+    runs: dict[tuple, dict[str, float]] = {}  # each cell's latest run so far
     cells: dict[tuple, dict[str, float]] = {}
     for r in records:
-        if "tflops" in r and r.get("feature", "plain") == "plain":  # feature rows are not grid cells
-            key = (r["direction"], r["head_dim"], r["seqlen"], r["causal"])
-            cells.setdefault(key, {})[r["provider"]] = r["tflops"]
+        if "tflops" not in r or r.get("feature", "plain") != "plain":  # feature rows are not grid cells
+            continue
+        key = (r["direction"], r["head_dim"], r["seqlen"], r["causal"])
+        if r["provider"] == "fmha":
+            runs[key] = {}
+        run = runs.setdefault(key, {})
+        run[r["provider"]] = r["tflops"]
+        if "fmha" in run and "sdpa_cudnn" in run:
+            cells[key] = run
     return cells
 
 

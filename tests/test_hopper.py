@@ -524,6 +524,25 @@ def _param_names(kernel):
     return [p.name for p in kernel.params] if hasattr(kernel, "params") else kernel.arg_names
 
 
+def test_a_plan_built_from_one_tensor_as_q_k_and_v_does_not_serve_three():
+    """Plans find their arguments' tensors by identity: which tensors are one object is part of
+    the signature, in both directions."""
+    hopper._PLANS.clear()
+    x = torch.empty(2, 1024, 4, 128, dtype=torch.bfloat16)
+    same = check_inputs(x, x, x, mask="t")
+    hopper.fwd_launches(same, torch.empty_like(x), torch.empty(same.lse_shape))
+    hopper.bwd_launches(same, *(torch.empty_like(x) for _ in range(2)), torch.empty(same.lse_shape),
+                        *(torch.empty_like(x) for _ in range(3)))
+    first = _bwd_problem(128, 1024, "t")
+    inputs = first[0]
+    out, lse = torch.empty_like(inputs.q), torch.empty(inputs.lse_shape)
+    _same_launches(hopper.fwd_launches(inputs, out, lse), hopper._build_fwd_launches(inputs, out, lse))
+    tensors = hopper._bwd_tensors(*first, False, None)
+    plan = hopper._bwd_plan(inputs, tensors, False, None)
+    _same_launches(plan.launches(tensors), hopper._build_bwd_launches(inputs, tensors, False, None, None))
+    assert len(hopper._PLANS) == 4
+
+
 def test_plans_are_not_used_for_features_or_after_a_config_changes(monkeypatch):
     q = torch.empty(2, 1000, 4, 128, dtype=torch.bfloat16)
     lse = torch.empty(2, 4, 1000)

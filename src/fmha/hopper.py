@@ -409,11 +409,12 @@ class _PlannedLaunch:
             launch(self.kernel, self.grid, kwargs)
             found = compiled_for(self.kernel, kwargs)
             if found is not None:
-                self.compiled, names = found
+                compiled, names = found
                 place = {name: i for i, name in enumerate(names)}
                 self.values = [self.static.get(name) for name in names]
                 self.places = [([place[name] for name in names_], index, fields)
                                for names_, index, fields in self.args]
+                self.compiled = compiled  # last: another thread may launch from it at once
             return
         values = self.values.copy()
         for places, index, fields in self.places:
@@ -445,7 +446,9 @@ _PLANS: dict[tuple, _Plan] = {}
 def _plain_signature(inputs: AttentionInputs, tensors: tuple) -> tuple | None:
     """Everything the launch builders read of a plain batch-mode problem (no bias, ALiBi or
     dropout) but its tensors' addresses (all 16-byte aligned here, which is what the launches
-    specialize on), or None for other problems. ``tensors``: every tensor the launches take."""
+    specialize on), or None for other problems. ``tensors``: every tensor the launches take.
+    Which of them are one object is part of it: a plan finds its arguments' tensors by identity,
+    so one built from ``attention(x, x, x)`` must not serve three tensors."""
     if inputs.group or inputs.bias is not None or inputs.alibi_slopes is not None or inputs.dropout_p > 0:
         return None
     aligned = 0
@@ -453,7 +456,9 @@ def _plain_signature(inputs: AttentionInputs, tensors: tuple) -> tuple | None:
         aligned |= t.data_ptr()
     if aligned % 16:
         return None
-    return (*[(t.shape, t.stride(), t.dtype) for t in tensors], inputs.q.device, inputs.batch, inputs.nhead_q,
+    first: dict[int, int] = {}
+    aliases = tuple(first.setdefault(id(t), i) for i, t in enumerate(tensors))
+    return (aliases, *[(t.shape, t.stride(), t.dtype) for t in tensors], inputs.q.device, inputs.batch, inputs.nhead_q,
             inputs.nhead_k, inputs.head_dim_q, inputs.max_seqlen_q, inputs.scale, inputs.mask)
 
 

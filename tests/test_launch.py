@@ -240,6 +240,9 @@ def test_a_compiled_kernel_found_once_is_launched_while_it_stays_valid(fake_gpu,
     monkeypatch.setattr(knobs.runtime, "debug", True)
     assert not still_valid(compiled)
     monkeypatch.setattr(knobs.runtime, "debug", False)
+    monkeypatch.setattr(_FakeDriver, "get_current_device", lambda self: 1)
+    assert not still_valid(compiled) and compiled_for(SCALE_COPY, again) is None  # not compiled on device 1
+    monkeypatch.setattr(_FakeDriver, "get_current_device", lambda self: 0)
     knobs.runtime.launch_enter_hook.add(print)
     try:
         assert not still_valid(compiled)

@@ -130,6 +130,21 @@ def test_forward_and_backward_against_reference(case):
         assert max_error(got, exact) <= error_bound(dtype, max_error(low, exact)), f"d{name}"
 
 
+@pytest.mark.parametrize("head_dim, seqlen, mask", [(128, 1024, "t"), (64, 1000, None), (256, 1024, "b"),
+                                                     (128, 2048, "b:300,0")])
+def test_repeated_calls_through_the_plans_against_reference(head_dim, seqlen, mask):
+    """Three calls of one geometry on fresh tensors: the first builds the launch plans, the others
+    launch their compiled kernels directly; the first is one tensor as q, k and v (a plan must
+    not take it for three)."""
+    g = torch.Generator().manual_seed(head_dim + seqlen)
+    x = torch.randn(2, seqlen, 4, head_dim, generator=g).to("cuda", torch.bfloat16)
+    fmha.attention(*[x.detach().requires_grad_()] * 3, mask=mask).sum().backward()
+    for _ in range(3):
+        q, k, v, dout = (torch.randn(2, seqlen, 4, head_dim, generator=g).to("cuda", torch.bfloat16)
+                         for _ in range(4))
+        _assert_matches_reference(q, k, v, dout, dict(mask=mask))
+
+
 def test_logits_of_magnitude_1e4():
     """Scores near 1e4 (max subtraction in log2 units must keep them finite), causal, d=64 bf16."""
     g = torch.Generator().manual_seed(4)

@@ -476,13 +476,7 @@ def test_a_planned_forward_calls_its_compiled_kernel_after_the_first_launch(monk
         inputs = check_inputs(q, k, v, mask="t")
         return inputs, torch.empty(inputs.out_shape, dtype=q.dtype), torch.empty(inputs.lse_shape)
 
-    calls, valid = [], [True]
-    compiled = object()
-    monkeypatch.setattr(hopper, "launch", lambda kernel, grid, kwargs: calls.append(("launch", grid, kwargs)))
-    monkeypatch.setattr(hopper, "compiled_for", lambda kernel, kwargs: (compiled, [p.name for p in kernel.params]))
-    monkeypatch.setattr(hopper, "still_valid", lambda found: found is compiled and valid[0])
-    monkeypatch.setattr(hopper, "run_compiled", lambda found, grid, args: calls.append(("compiled", grid, args)))
-    hopper._PLANS.clear()
+    calls, valid = _fake_compiled_launches(monkeypatch)
     for valid[0], expected in ((True, "launch"), (True, "compiled"), (False, "launch")):
         current = problem()
         hopper.launch_fwd(*current)
@@ -490,33 +484,50 @@ def test_a_planned_forward_calls_its_compiled_kernel_after_the_first_launch(monk
         (how, got_grid, args), = calls
         calls.clear()
         assert how == expected and got_grid == grid
-        if how == "compiled":  # (the options, num_warps and maxnreg, are the compiled kernel's)
-            names = [p.name for p in kernel.params]
-            args, kwargs = dict(zip(names, args, strict=True)), {name: kwargs[name] for name in names}
-        _same_launches([(kernel, grid, args)], [(kernel, grid, kwargs)])
+        _same_launches([(kernel, grid, _as_kwargs(how, kernel, args))],
+                       [(kernel, grid, _as_kwargs(how, kernel, kwargs))])
 
 
 def test_a_planned_backward_calls_its_compiled_kernels_after_the_first_launch(monkeypatch):
-    calls, made = [], []
-    compiled = object()
-    monkeypatch.setattr(hopper, "launch", lambda kernel, grid, kwargs: calls.append(("launch", grid, kwargs)))
-    monkeypatch.setattr(hopper, "compiled_for", lambda kernel, kwargs: (compiled, _param_names(kernel)))
-    monkeypatch.setattr(hopper, "still_valid", lambda found: found is compiled)
-    monkeypatch.setattr(hopper, "run_compiled", lambda found, grid, args: calls.append(("compiled", grid, args)))
+    calls, _ = _fake_compiled_launches(monkeypatch)
+    made = []
     real_tensors = hopper._bwd_tensors
     monkeypatch.setattr(hopper, "_bwd_tensors", lambda *a: made.append(real_tensors(*a)) or made[-1])
-    hopper._PLANS.clear()
     for expected in ("launch", "compiled"):
         problem = _bwd_problem(128, 1024, "t")
         hopper.launch_bwd(*problem)
         want = hopper._build_bwd_launches(problem[0], made[-1], False, None, None)
         assert [how for how, _, _ in calls] == [expected] * 3
         for (how, grid, args), (kernel, grid_w, kwargs) in zip(calls, want):
-            if how == "compiled":
-                names = _param_names(kernel)
-                args, kwargs = dict(zip(names, args, strict=True)), {name: kwargs[name] for name in names}
-            _same_launches([(kernel, grid, args)], [(kernel, grid_w, kwargs)])
+            _same_launches([(kernel, grid, _as_kwargs(how, kernel, args))],
+                           [(kernel, grid_w, _as_kwargs(how, kernel, kwargs))])
         calls.clear()
+
+
+def _fake_compiled_launches(monkeypatch):
+    """Record the fast path's launches as ("launch", grid, kwargs) through ``launch`` or
+    ("compiled", grid, args in launch order) straight through a compiled kernel, which is valid
+    while the returned flag's one item is true; no plans at the start."""
+    calls, valid = [], [True]
+    compiled = object()
+    monkeypatch.setattr(hopper, "launch", lambda kernel, grid, kwargs: calls.append(("launch", grid, kwargs)))
+    monkeypatch.setattr(hopper, "compiled_for", lambda kernel, kwargs: (compiled, _param_names(kernel)))
+    monkeypatch.setattr(hopper, "still_valid", lambda found: found is compiled and valid[0])
+    monkeypatch.setattr(hopper, "run_compiled", lambda found, grid, args: calls.append(("compiled", grid, args)))
+    hopper._PLANS.clear()
+    return calls, valid
+
+
+def _as_kwargs(how: str, kernel, args) -> dict:
+    """A recorded launch's arguments by name; a compiled launch has the kernel's parameters only
+    (the options, num_warps and maxnreg, are the compiled kernel's), so a builder's keyword
+    arguments (a dict) are cut to those."""
+    if how == "launch":
+        return args
+    names = _param_names(kernel)
+    if isinstance(args, dict):
+        return {name: args[name] for name in names}
+    return dict(zip(names, args, strict=True))
 
 
 def _param_names(kernel):

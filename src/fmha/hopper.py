@@ -373,13 +373,20 @@ def launch_fwd(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, ph
 
 def _fwd_plan(inputs: AttentionInputs, tensors: tuple) -> _Plan | None:
     """The forward's plan for (q, k, v, out, lse), built on its geometry's first call."""
+    return _plan("fwd", HOPPER_FWD_CONFIGS[inputs.head_dim_q], inputs, tensors,
+                 lambda: _build_fwd_launches(inputs, *tensors[3:]))
+
+
+def _plan(direction: str, cfg, inputs: AttentionInputs, tensors: tuple, build) -> _Plan | None:
+    """The plan of a plain problem's launches over ``tensors`` (None for other problems), built
+    from ``build()`` on its geometry's first call and again when its head dim's config object
+    changes (a tuning sweep swaps the configs)."""
     signature = _plain_signature(inputs, tensors)
     if signature is None:
         return None
-    cfg = HOPPER_FWD_CONFIGS[inputs.head_dim_q]
-    plan = _PLANS.get(("fwd", signature))
-    if plan is None or plan.cfg is not cfg:  # (a tuning sweep swaps the configs)
-        plan = _new_plan(("fwd", signature), cfg, _build_fwd_launches(inputs, *tensors[3:]), tensors)
+    plan = _PLANS.get((direction, signature))
+    if plan is None or plan.cfg is not cfg:
+        plan = _new_plan((direction, signature), cfg, build(), tensors)
     return plan
 
 
@@ -398,7 +405,7 @@ class _PlannedLaunch:
     def kwargs(self, tensors: tuple) -> dict:
         kwargs = dict(self.static)
         for names, index, fields in self.args:
-            value = tensors[index] if fields is None else _rebased(fields, tensors[index])
+            value = _argument(tensors, index, fields)
             for name in names:
                 kwargs[name] = value
         return kwargs
@@ -418,10 +425,15 @@ class _PlannedLaunch:
             return
         values = self.values.copy()
         for places, index, fields in self.places:
-            value = tensors[index] if fields is None else _rebased(fields, tensors[index])
+            value = _argument(tensors, index, fields)
             for i in places:
                 values[i] = value
         run_compiled(self.compiled, self.grid, values)
+
+
+def _argument(tensors: tuple, index: int, fields: dict | None):
+    """A planned tensor argument of this call: ``tensors[index]``, or a descriptor over it."""
+    return tensors[index] if fields is None else _rebased(fields, tensors[index])
 
 
 class _Plan:
@@ -620,14 +632,8 @@ def _bwd_plan(inputs: AttentionInputs, tensors: tuple, deterministic: bool, dbia
     allocated uninitialized), built on its geometry's first call; None for other problems."""
     if deterministic or dbias_t is not None:
         return None
-    signature = _plain_signature(inputs, tensors)
-    if signature is None:
-        return None
-    cfg = HOPPER_BWD_CONFIGS[inputs.head_dim_q]
-    plan = _PLANS.get(("bwd", signature))
-    if plan is None or plan.cfg is not cfg:
-        plan = _new_plan(("bwd", signature), cfg, _build_bwd_launches(inputs, tensors, False, None, None), tensors)
-    return plan
+    return _plan("bwd", HOPPER_BWD_CONFIGS[inputs.head_dim_q], inputs, tensors,
+                 lambda: _build_bwd_launches(inputs, tensors, False, None, None))
 
 
 def _build_bwd_launches(inputs: AttentionInputs, tensors: tuple, deterministic: bool,

@@ -3,6 +3,8 @@
     TRITON_INTERPRET=0 python benchmarks/sass_profile.py loops "hopper bfloat16 d=128 [plain] fwd bias" \
         --head-dim 128 [--causal]
     python benchmarks/sass_profile.py stalls prof.csv
+    TRITON_INTERPRET=0 python benchmarks/sass_profile.py waits "hopper bfloat16 d=128 [plain] bwd \
+        attention_bwd_hopper_kernel" --head-dim 128
 
 ``loops`` compiles one launch of ``fmha.compile_check`` (named as it prints them) for sm_90 on the
 CPU, disassembles its cubin with the nvdisasm that ships with Triton (``asm["sass"]`` stops at
@@ -14,6 +16,11 @@ yes -o prof ...``, then ``ncu -i prof.ncu-rep --page source --csv --print-source
 and sums its warp-stall samples, which are proportional to warp time, by partition and instruction
 kind. A warp-specialized kernel's partitions each start with a ``USETMAXREG``; the samples on a
 NOP after one are warps parked at the end barrier, not work.
+
+``waits`` assembles the launch's PTX with ``ptxas -v`` and prints ptxas's notes on the wgmma it
+serializes: "warpgroup.wait is injected" (C7517) means a wgmma the source leaves in flight is
+waited for before the named PTX line, so two wgmma meant to queue together do not (session 29:
+the backward's dP^T waited for S^T because dP^T's accumulator started from loaded values).
 """
 
 from __future__ import annotations
@@ -65,7 +72,8 @@ def loops(lines: list[str], min_size: int = 100) -> list[tuple[str, int, collect
             for a, b, name in innermost if b + 1 - a > min_size]
 
 
-def compile_one(name: str, head_dim: int, causal: bool) -> bytes:
+def compile_one(name: str, head_dim: int, causal: bool, kind: str = "cubin"):
+    """The launch's ``asm[kind]`` (``cubin``, ``ptx``, ``ttgir``, ...), compiled for sm_90."""
     os.environ["TRITON_INTERPRET"] = "0"
     import torch
     from triton.runtime.driver import driver
@@ -73,19 +81,33 @@ def compile_one(name: str, head_dim: int, causal: bool) -> bytes:
     from fmha import compile_check as cc
 
     driver.set_active(cc._HopperCompileOnly())
-    cubins = {}
+    outputs = {}
 
     def keep(launch, kernel, grid, kwargs):
         if launch == name:
-            cubins[name] = kernel.warmup(grid=grid, **kwargs).asm["cubin"]
+            outputs[name] = kernel.warmup(grid=grid, **kwargs).asm[kind]
         return cc.Result(launch, 0, 0, 0)
 
     cc._compile = keep
     dtype = torch.bfloat16 if "bfloat16" in name else torch.float16
     cc.check_hopper(dtype, head_dim, causal)
-    if name not in cubins:
+    if name not in outputs:
         sys.exit(f"no launch named {name!r} at head dim {head_dim}, causal {causal}")
-    return cubins[name]
+    return outputs[name]
+
+
+def injected_waits(ptx: str) -> list[str]:
+    """ptxas's C75xx notes (injected wgmma waits and arrives) on this PTX, assembled for sm_90a."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([tool, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True, check=True)
+    return [line for line in run.stderr.splitlines() if "(C75" in line]
 
 
 def stall_kind(instruction: str, previous: str) -> str:
@@ -135,10 +157,17 @@ def main() -> None:
     lp.add_argument("--causal", action="store_true")
     sp = sub.add_parser("stalls")
     sp.add_argument("csv")
+    wp = sub.add_parser("waits")
+    wp.add_argument("name")
+    wp.add_argument("--head-dim", type=int, required=True)
+    wp.add_argument("--causal", action="store_true")
     args = parser.parse_args()
     if args.command == "loops":
         for label, size, ops in loops(nvdisasm_lines(compile_one(args.name, args.head_dim, args.causal))):
             print(f"{label:8s} {size:5d}: " + " ".join(f"{op} {n}" for op, n in ops.most_common(14)))
+    elif args.command == "waits":
+        notes = injected_waits(compile_one(args.name, args.head_dim, args.causal, "ptx"))
+        print("\n".join(notes) if notes else "ptxas injected no wgmma waits or arrives")
     else:
         parts = stalls(args.csv)
         total = sum(sum(c.values()) for c in parts.values())

@@ -98,16 +98,10 @@ def compile_one(name: str, head_dim: int, causal: bool, kind: str = "cubin"):
 
 def injected_waits(ptx: str) -> list[str]:
     """ptxas's C75xx notes (injected wgmma waits and arrives) on this PTX, assembled for sm_90a."""
-    import triton
+    os.environ["TRITON_INTERPRET"] = "0"
+    from fmha.compile_check import ptxas_log
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        run = subprocess.run([tool, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
-                             capture_output=True, text=True, check=True)
-    return [line for line in run.stderr.splitlines() if "(C75" in line]
+    return [line for line in ptxas_log(ptx).splitlines() if "(C75" in line]
 
 
 def stall_kind(instruction: str, previous: str) -> str:

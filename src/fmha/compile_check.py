@@ -72,7 +72,8 @@ class Result:
         return self.launches and self.spill_bytes == 0
 
 
-def _ptxas_report(ptx: str) -> tuple[int, int]:
+def ptxas_log(ptx: str) -> str:
+    """What ``ptxas -v`` (the one that ships with Triton) prints assembling this PTX for sm_90a."""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "k.ptx")
@@ -80,7 +81,11 @@ def _ptxas_report(ptx: str) -> tuple[int, int]:
             f.write(ptx)
         proc = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(tmp, "k.o")],
                               capture_output=True, text=True, check=True)
-    log = proc.stdout + proc.stderr
+    return proc.stdout + proc.stderr
+
+
+def _ptxas_report(ptx: str) -> tuple[int, int]:
+    log = ptxas_log(ptx)
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
     return regs, spills

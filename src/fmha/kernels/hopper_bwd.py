@@ -471,7 +471,11 @@ def _scores_start(WG: gl.constexpr, it, s, lse_bufs, bias_bufs, bias_ready, bias
     if BIAS:
         mbarrier.wait(bias_ready.index(0), it & 1)
         bias_t = bias_bufs.index(WG).reshape([BLOCK_M, WG_KEYS]).permute((1, 0)).load(sT_layout)
-        mbarrier.arrive(bias_empty.index(0))  # in registers: the producer may load the next step's
+        # The producer's next TMA load may overwrite the slot: the proxy fence makes these reads
+        # complete first (the arrive alone could overtake them, and did: with dP^T issued beside
+        # S^T the next step's tile landed under them, benchmarks/NOTES.md session 30).
+        fence_async_shared()
+        mbarrier.arrive(bias_empty.index(0))
         start = widened(bias_t) * inv_scale + neg_lse
     else:
         start = gl.zeros([WG_KEYS, BLOCK_M], gl.float32, sT_layout) + neg_lse

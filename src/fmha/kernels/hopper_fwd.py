@@ -314,6 +314,7 @@ def _bias_tile(bias_bufs, WG: gl.constexpr, s, s_layout: gl.constexpr, BLOCK_N: 
     if BIAS:
         tile = bias_bufs.index(WG * STAGES + s).reshape([ROWS_PER_CONSUMER, BLOCK_N])
         bias = widened(tile.load(s_layout))
+        fence_async_shared()  # these reads complete before K's slot goes back to the producer's TMA
     return bias
 
 

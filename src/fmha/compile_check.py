@@ -168,8 +168,8 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
     """The Hopper fast path's launches: the Gluon forward (persistent and one CTA per tile where
     the config has both) and the backward's three kernels where
     the head dim has a backward config; the forward and the backward's main kernel also with ALiBi
-    (and without a causal mask a sliding window with ALiBi; the forward also ALiBi alone where it
-    runs it linearly) where they take it, and in group mode;
+    (and without a causal mask a sliding window with ALiBi; the forward also a sliding window alone,
+    and ALiBi alone where it runs it linearly) where they take it, and in group mode;
     the forward with a bias, and with dropout (alone, with ALiBi, with a bias), the backward
     with a bias (alone and with GQA, each with and without its gradient), with dropout (alone, and
     with ALiBi and with GQA) and the deterministic backward (alone and with ALiBi), where its config takes
@@ -192,6 +192,9 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
     if HOPPER_FWD_CONFIGS[head_dim].causal_alibi or not causal:
         kernel, grid, kwargs = hopper.fwd_launches(with_alibi, out, lse)[-1]
         results.append(_compile(f"{prefix} fwd {alibi}", kernel, grid, kwargs))
+    if not causal:  # a sliding window alone
+        kernel, grid, kwargs = hopper.fwd_launches(check_inputs(q, k, v, mask="b:100,0"), out, lse)[-1]
+        results.append(_compile(f"{prefix} fwd window", kernel, grid, kwargs))
     if HOPPER_FWD_CONFIGS[head_dim].alibi_linear and not causal:  # ALiBi without a window: linear off the diagonal
         kernel, grid, kwargs = hopper.fwd_launches(check_inputs(q, k, v, alibi_slopes=torch.ones(4)), out, lse)[-1]
         results.append(_compile(f"{prefix} fwd alibi", kernel, grid, kwargs))

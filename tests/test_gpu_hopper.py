@@ -181,6 +181,11 @@ WINDOW_ALIBI_CASES = [
     (2, 1000, 4, 128, "b:100,0", False, torch.bfloat16),
     (1, 3000, 2, 128, "b:1024,0", False, torch.bfloat16),
     (2, 777, 4, 64, "t:200,17", False, torch.float16),
+    # edge tiles half of which a warpgroup does not see, which it skips (d = 64/128; the 1090-row
+    # sequence ends in the left half of its last tile)
+    (1, 2000, 2, 64, "b:1024,0", False, torch.bfloat16),
+    (1, 1090, 2, 128, "b:500,0", False, torch.bfloat16),
+    (2, 900, 2, 128, "b:200,70", False, torch.float16),
     (1, 1500, 2, 256, "b:300,50", False, torch.bfloat16),
     (2, 1000, 4, 128, None, True, torch.bfloat16),
     (2, 1000, 4, 128, "t", True, torch.bfloat16),

@@ -369,6 +369,8 @@ def test_group_mode_forward_against_reference(case):
 BWD_WINDOW_ALIBI_CASES = [
     (2, 1000, 4, 128, "b:100,0", "h", torch.bfloat16),
     (1, 3000, 2, 128, "b:1024,0", None, torch.bfloat16),
+    (1, 2000, 2, 64, "b:1024,0", None, torch.bfloat16),
+    (2, 900, 2, 128, "b:200,70", None, torch.float16),
     (2, 777, 4, 64, "t:200,17", "h", torch.float16),
     (1, 1100, 2, 64, "t:0,0", "bh", torch.bfloat16),
     (2, 600, 4, 64, "t:-1,16", None, torch.bfloat16),

@@ -169,7 +169,8 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
     the config has both) and the backward's three kernels where
     the head dim has a backward config; the forward and the backward's main kernel also with ALiBi
     (and without a causal mask a sliding window with ALiBi; the forward also a sliding window alone,
-    and ALiBi alone where it runs it linearly) where they take it, and in group mode;
+    and ALiBi alone where it runs it linearly; the backward also a window alone) where they take it,
+    and in group mode;
     the forward with a bias, and with dropout (alone, with ALiBi, with a bias), the backward
     with a bias (alone and with GQA, each with and without its gradient), with dropout (alone, and
     with ALiBi and with GQA) and the deterministic backward (alone and with ALiBi), where its config takes
@@ -237,6 +238,10 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
         if HOPPER_BWD_CONFIGS[head_dim].windows_and_alibi:
             _, (kernel, grid, kwargs), _ = hopper.bwd_launches(with_alibi, torch.empty_like(q), out, lse, *grads)
             results.append(_compile(f"{prefix} bwd {kernel.__name__} {alibi}", kernel, grid, kwargs))
+            if not causal:  # a window alone
+                _, (kernel, grid, kwargs), _ = hopper.bwd_launches(check_inputs(q, k, v, mask="b:100,0"),
+                                                                   torch.empty_like(q), out, lse, *grads)
+                results.append(_compile(f"{prefix} bwd {kernel.__name__} window", kernel, grid, kwargs))
         bwd_cfg = HOPPER_BWD_CONFIGS[head_dim]
         if bwd_cfg.bias:  # a [H, S, S] bias, with and without its gradient; with GQA 2:1 (the grouped
             bias = torch.empty(4, 1000, 1000, dtype=dtype)  # loop) too

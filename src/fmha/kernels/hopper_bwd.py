@@ -13,8 +13,9 @@ head dim between the warpgroups instead): one CTA per (128-key tile, batch * hea
 * a producer warp loads K and V once by TMA, then streams Q_i with its -lse slice and dO_i with its
   -delta slice through a ``STAGES``-deep ring;
 * two consumer warpgroups each own 64 keys (keys on the wgmma M side). Per query tile:
-  ``S^T = K Q^T`` and ``dP^T = V dO^T`` start from the folded statistics, so
-  ``P^T = exp2(S^T * scale * log2 e)`` and ``dS^T = P^T * dP^T``; then ``dV += P^T dO``,
+  ``S^T = K Q^T`` and ``dP^T = V dO^T`` take in the folded statistics (S^T starts from -lse,
+  dP^T from -delta or adds it after its wait), so ``P^T = exp2(S^T * scale * log2 e)`` and
+  ``dS^T = P^T * dP^T``; then ``dV += P^T dO``,
   ``dK += dS^T Q`` and ``dQ_part = dS K``, which a TMA bulk reduce-add sums into the fp32
   accumulator. In the atomic mode the order of those adds varies; in the deterministic mode
   (``CHAINS``) they take turns in a fixed order that the producer warp keeps (see ``_rank``).
@@ -91,7 +92,7 @@ def hopper_bwd_preprocess(O, DO, Lse, NegDelta, NegLse, Seqstart, Acc, seqlen, s
                  mask=ok[:, None], other=0.0).to(tl.float32)
     lse = tl.load(Lse + b.to(tl.int64) * stride_lb + h * stride_lh + start + rows, mask=ok, other=float("inf"))
     pad = bh.to(tl.int64) * seqlen_pad + rows
-    # Negated: they are the initial values of the S^T and dP^T accumulators. A row that sees no
+    # Negated: S^T's accumulator starts from -lse, dP^T's from -delta (or adds it). A row that sees no
     # key (a bias of -inf over all of them: lse = -inf) gets -inf too, so its P stays 0.
     tl.store(NegDelta + pad, tl.where(ok, -tl.sum(o * do, 1), 0.0))
     tl.store(NegLse + pad, tl.where(lse == -float("inf"), -float("inf"), -lse * inv_scale))
@@ -522,10 +523,14 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
     sT = warpgroup_mma(k_w, q_s.permute((1, 0)), sT_start, is_async=True)
     mbarrier.wait(do_ready.index(s), ph)
     do_s = do_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
+    # -delta joins dP^T after its wait where the registers allow (64-row tiles, atomic mode; with
+    # dropout after the mask, see below): an accumulator started from loaded values made ptxas
+    # wait for S^T before issuing dP^T (its note C7517), so the two never queued together.
+    DPT_ZERO: gl.constexpr = BLOCK_M == 64 and CHAINS == 0 and not DROPOUT
     dpT_start = gl.zeros([WG_KEYS, BLOCK_M], gl.float32, sT_layout)
-    if not DROPOUT:  # (with dropout -delta joins after the mask, see below)
+    if not DROPOUT and not DPT_ZERO:
         dpT_start += delta_bufs.index(s).load(sT_layout)
-    dpT = warpgroup_mma(v_w, do_s.permute((1, 0)), dpT_start, is_async=True)
+    dpT = warpgroup_mma(v_w, do_s.permute((1, 0)), dpT_start, use_acc=not DPT_ZERO, is_async=True)
 
     sT = warpgroup_mma_wait(1, deps=[sT])  # S^T done; dP^T may still run under the exp2
     # Queries past the sequence (the next sequence's rows in group mode) need no mask: their
@@ -578,6 +583,8 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
             fence_async_shared()
             p_op = p_smem
         dpT = warpgroup_mma_wait(0, deps=[dpT])
+        if DPT_ZERO:
+            dpT += delta_bufs.index(s).load(sT_layout)
     dsT = (pT * dpT).to(dtype)
     dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
     if DKV_RS:  # dK needs only this warpgroup's dS^T: it runs while the warpgroups meet below

@@ -454,11 +454,13 @@ def _with_alibi(scores, rel, keys, slope, ALIBI: gl.constexpr):
 @gluon.jit
 def _keep(keys, rel, seqlen, left, right, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """Which elements of S^T a masked tile keeps (``rel`` = key - query)."""
-    keep = keys[:, None] < seqlen
-    if WINDOW:
-        keep = keep & (rel >= -left) & (rel <= right)
-    elif CAUSAL:
-        keep = keep & (rel <= 0)
+    if WINDOW:  # -left <= rel <= right and key < seqlen: one unsigned compare with a key's limit
+        limit = gl.where(keys < seqlen, left + right + 1, 0)
+        keep = (rel + left).to(gl.uint32, bitcast=True) < limit.to(gl.uint32, bitcast=True)[:, None]
+    else:
+        keep = keys[:, None] < seqlen
+        if CAUSAL:
+            keep = keep & (rel <= 0)
     return keep
 
 

@@ -629,6 +629,61 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
 
 
 @gluon.jit
+def _unseen_edges(WG: gl.constexpr, n0, seqlen, kv_group, m_lo, m_hi, left, right, BLOCK_M: gl.constexpr):
+    """(skip_first, skip_last): whether no row of the CTA's first / last query tile [m_lo, m_hi)
+    sees a key of warpgroup WG under a window (two or more tiles, no GQA): its keys lie right of
+    the first tile's windows, or left of the last's."""
+    key0 = n0 + WG * WG_KEYS
+    two = (m_hi - m_lo >= 2) & (kv_group == 1)
+    skip_first = two & (key0 > m_lo * BLOCK_M + BLOCK_M - 1 + right)
+    skip_last = two & (key0 + WG_KEYS - 1 < (m_hi - 1) * BLOCK_M - left)
+    return skip_first, skip_last
+
+
+@gluon.jit
+def _dq_only_step(WG: gl.constexpr, it, m, k_full, ds_bufs, dq_smem, q_ready, q_empty, do_ready, do_empty, ds_ready,
+                  ds_empty, dq_desc, bd, row_base, h, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr):
+    """Step ``it`` (query tile m) of a warpgroup none of whose keys the tile's rows see: its dS^T
+    half is zero, so it writes zeros there and runs only its part of the dQ wgmma, which reads
+    both halves; the waits and releases of ``_consumer_step``, without S^T, dP^T, dV and dK."""
+    s = it % STAGES
+    ph = (it // STAGES) & 1
+    # (the slots are released after their loads landed, as in a full step: a release before would
+    # count toward the use before)
+    mbarrier.wait(q_ready.index(s), ph)
+    mbarrier.wait(do_ready.index(s), ph)
+    buf = it % DS_BUFS
+    ph_ds = (it // DS_BUFS) & 1
+    ds_buf = ds_bufs.index(buf)
+    mbarrier.wait(ds_empty.index(buf), ph_ds ^ 1)
+    zeros_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    ds_buf.slice(WG * WG_KEYS, WG_KEYS, dim=0).store(gl.zeros([WG_KEYS, BLOCK_M], ds_buf.dtype, zeros_layout))
+    fence_async_shared()
+    mbarrier.arrive(ds_ready.index(buf))
+    mbarrier.wait(ds_ready.index(buf), ph_ds)
+    ds_full = ds_buf.permute((1, 0))
+    if BLOCK_M == 128:
+        dq = warpgroup_mma(ds_full.slice(WG * 64, 64, dim=0), k_full,
+                           gl.zeros([64, HEAD_DIM], gl.float32, dq_layout), use_acc=False, is_async=True)
+    else:
+        dq = warpgroup_mma(ds_full, k_full.slice(WG * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1),
+                           gl.zeros([64, HEAD_DIM // 2], gl.float32, dq_layout), use_acc=False, is_async=True)
+    mbarrier.arrive(do_empty.index(s))
+    mbarrier.arrive(q_empty.index(s))
+    dq = warpgroup_mma_wait(0, deps=[dq])
+    mbarrier.arrive(ds_empty.index(buf))
+    tma.store_wait(0)  # the previous reduction has read dq_smem
+    dq_smem.reshape([64, dq.shape[1]]).store(dq)
+    fence_async_shared()
+    m0 = m * BLOCK_M
+    if BLOCK_M == 128:
+        _tma_reduce_add(dq_desc, [bd, row_base + m0 + WG * 64, h, 0], dq_smem)
+    else:
+        _tma_reduce_add(dq_desc, [bd, row_base + m0, h, WG * (HEAD_DIM // 2)], dq_smem)
+
+
+@gluon.jit
 def _consumer(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs,
               lse_bufs, delta_bufs, ds_bufs, dq_bufs, p_bufs, bias_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty,
               ds_ready, ds_empty, bias_ready, bias_empty, seqstart_ptr, seqlen, H, kv_group, qk_scale, sm_scale,
@@ -682,7 +737,23 @@ def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, 
     n_m = (m_hi - m_lo) * (n0 < seqlen).to(gl.int32)  # none past the sequence (group mode)
     slope = 0.0  # ALiBi's, in log2 units like the scores
     rot, t_skip, n_v = _rotation(n0, seqlen, m_hi, BLOCK_M)
-    for it in range(kv_group * n_m):
+    # A step whose query tile sees none of this warpgroup's keys runs only its dQ part (its dS^T
+    # half zero): in a band b:1024,0 the second warpgroup's first step and the first's last, 17
+    # full steps each of the CTA's 18. Those steps are peeled off the loop (they leave dK and dV
+    # alone, so the branches hold no accumulator); a window alone in batch mode, atomic.
+    SKIPS: gl.constexpr = WINDOW and ALIBI == 0 and not (GROUP or BIAS or DROPOUT or CHAINS > 0)
+    start = 0  # the full steps: [start, stop)
+    stop = kv_group * n_m
+    skip_first = False
+    skip_last = False
+    if SKIPS:
+        skip_first, skip_last = _unseen_edges(WG, n0, seqlen, kv_group, m_lo, m_hi, left, right, BLOCK_M)
+        start = skip_first.to(gl.int32)
+        stop -= skip_last.to(gl.int32)
+    if SKIPS and skip_first:
+        _dq_only_step(WG, 0, m_lo, k_full, ds_bufs, dq_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty,
+                      dq_desc, bd, row_base, h, dq_layout, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS)
+    for it in range(start, stop):
         m, hq, _ = _group_step(it, n_m, m_lo, h, bh, kv_group)
         rank = 0
         if CHAINS > 0:
@@ -700,6 +771,9 @@ def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, 
                                 mask_bufs, mask_ready, drop_scale, sT_layout, dq_layout, kv_op_layout, BLOCK_M,
                                 HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP, BIAS, CHAINS, DKV_RS,
                                 DROPOUT)
+    if SKIPS and skip_last:
+        _dq_only_step(WG, stop, m_hi - 1, k_full, ds_bufs, dq_smem, q_ready, q_empty, do_ready, do_empty, ds_ready,
+                      ds_empty, dq_desc, bd, row_base, h, dq_layout, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS)
     if CHAINS > 0:
         if n_m > 0:
             _adds_completed(dones, kv_group * n_m)

@@ -167,8 +167,9 @@ class HopperFwdConfig:
     # kernels): with 128 the bias and mask rings together overflow shared memory.
     bias_dropout_block_n: int = 0
     bias_dropout_stages: int = 2
-    # Group-mode windows in two consumers of 240 registers (the dropout forward's register split
-    # without dropout's warpgroup) where ``consumers`` of ``consumer_regs`` spill there.
+    # Group-mode windows (without ALiBi: at d=64 two consumers spill 8 B with it, three none) in
+    # two consumers of 240 registers (the dropout forward's register split without dropout's
+    # warpgroup) where ``consumers`` of ``consumer_regs`` spill there.
     group_window_two_consumers: bool = False
 
 

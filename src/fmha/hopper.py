@@ -517,7 +517,7 @@ def _build_fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.T
     # and group-window fields
     if dropout:
         consumers, consumer_regs, maxnreg = 2, cfg.dropout_consumer_regs, DROPOUT_MAXNREG
-    elif inputs.group and inputs.mask.is_window and cfg.group_window_two_consumers:
+    elif inputs.group and inputs.mask.is_window and inputs.alibi_slopes is None and cfg.group_window_two_consumers:
         consumers, consumer_regs, maxnreg = 2, 240, DROPOUT_MAXNREG
     else:
         consumers, consumer_regs, maxnreg = cfg.consumers, cfg.consumer_regs, cfg.maxnreg

@@ -170,7 +170,7 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
     the head dim has a backward config; the forward and the backward's main kernel also with ALiBi
     (and without a causal mask a sliding window with ALiBi; the forward also a sliding window alone,
     and ALiBi alone where it runs it linearly; the backward also a window alone) where they take it,
-    and in group mode;
+    and in group mode (the forward also with a window);
     the forward with a bias, and with dropout (alone, with ALiBi, with a bias), the backward
     with a bias (alone and with GQA, each with and without its gradient), with dropout (alone, and
     with ALiBi and with GQA) and the deterministic backward (alone and with ALiBi), where its config takes
@@ -221,6 +221,11 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
         grouped, torch.empty_like(packed), torch.empty(grouped.lse_shape, dtype=torch.float32))
     results.append(_compile(f"{prefix} fwd group {table.__name__}", table, table_grid, table_kwargs))
     results.append(_compile(f"{prefix} fwd group", kernel, grid, kwargs))
+    if not causal:  # group mode with a sliding window
+        windowed = check_inputs(packed, packed, packed, seqstart_q=starts, seqstart_k=starts, mask="b:100,0")
+        kernel, grid, kwargs = hopper.fwd_launches(windowed, torch.empty_like(packed),
+                                                   torch.empty(windowed.lse_shape, dtype=torch.float32))[-1]
+        results.append(_compile(f"{prefix} fwd group window", kernel, grid, kwargs))
     if head_dim != 256:  # the group-mode backward (main kernel; the other two are the same)
         grads = [torch.empty_like(packed) for _ in range(3)]
         kernel, grid, kwargs = hopper.bwd_launches(grouped, torch.empty_like(packed), torch.empty_like(packed),

@@ -167,6 +167,10 @@ class HopperFwdConfig:
     # kernels): with 128 the bias and mask rings together overflow shared memory.
     bias_dropout_block_n: int = 0
     bias_dropout_stages: int = 2
+    # Group-mode windows (without ALiBi: at d=64 two consumers spill 8 B with it, three none) in
+    # two consumers of 240 registers (the dropout forward's register split without dropout's
+    # warpgroup) where ``consumers`` of ``consumer_regs`` spill there.
+    group_window_two_consumers: bool = False
 
 
 # head dim -> config (fp16 and bf16 alike); all compile for sm_90a without spills.
@@ -180,8 +184,10 @@ HOPPER_FWD_CONFIGS: dict[int, HopperFwdConfig] = {
     # With ALiBi under a causal mask ptxas spills 360 B here (at d=128/256 nothing).
     # Persistent against one CTA per tile (same build, CUDA graphs, bf16, 16k tokens): 1k 1.12,
     # 4k 0.99, 16k 0.98; causal 1k 1.42, 4k 0.95, 16k 0.91, but causal persistent spills 8 B.
+    # In group mode with a window three consumers spill 368 B (one consumer's edge loop, 43 LDL a
+    # step; which one follows the partition order): two consumers there.
     64: HopperFwdConfig(128, 3, 3, 160, 128, min_seqlen=2048, min_seqlen_causal=4096, causal_alibi=False,
-                        persistent_max_seqlen=2048, persistent_q_bufs=2),
+                        persistent_max_seqlen=2048, persistent_q_bufs=2, group_window_two_consumers=True),
     # 623 TFLOP/s at s=16k (bf16). Persistent: 1k 1.24 (591 against 477), 4k 1.01, 16k 1.00; causal
     # 1k 1.06, 4k 0.91, 16k 0.88 (static turns balance causal tiles worse than the hardware's dispatch).
     128: HopperFwdConfig(128, 2, 2, 240, 168, persistent_max_seqlen=2048, persistent_max_seqlen_causal=1024,

@@ -27,7 +27,8 @@ LOG2E = 1.4426950408889634
 GLUON_TRITON = "3.6."
 CONVERT_BLOCK = 4096
 SCHEDULE_CHUNK = 1024  # sequences (and table entries) per step of the group-mode tile table
-# The forward with dropout runs 12 warps (see HopperFwdConfig.dropout_consumer_regs).
+# The forward with dropout runs 12 warps (see HopperFwdConfig.dropout_consumer_regs), as does a
+# group-mode window in two consumers (HopperFwdConfig.group_window_two_consumers).
 DROPOUT_MAXNREG = 168
 
 
@@ -512,7 +513,14 @@ def _build_fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.T
     lse_strides = (0, lse.stride(0)) if inputs.group else (lse.stride(0), lse.stride(1))
     cfg = HOPPER_FWD_CONFIGS[head_dim]
     dropout = inputs.dropout_p > 0
-    consumers = 2 if dropout else cfg.consumers  # (see HopperFwdConfig's dropout fields)
+    # (consumers, registers a consumer thread, kernel-wide maxnreg): see HopperFwdConfig's dropout
+    # and group-window fields
+    if dropout:
+        consumers, consumer_regs, maxnreg = 2, cfg.dropout_consumer_regs, DROPOUT_MAXNREG
+    elif inputs.group and inputs.mask.is_window and inputs.alibi_slopes is None and cfg.group_window_two_consumers:
+        consumers, consumer_regs, maxnreg = 2, 240, DROPOUT_MAXNREG
+    else:
+        consumers, consumer_regs, maxnreg = cfg.consumers, cfg.consumer_regs, cfg.maxnreg
     if dropout and inputs.bias is not None:  # (see HopperFwdConfig.bias_dropout_block_n)
         block_n, stages = cfg.bias_dropout_block_n, cfg.bias_dropout_stages
     else:
@@ -549,9 +557,9 @@ def _build_fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.T
         stride_os=out.stride(1), stride_oh=out.stride(2), lse_stride_b=lse_strides[0], lse_stride_h=lse_strides[1],
         BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=stages, NUM_CONSUMERS=consumers,
         Q_BUFS=cfg.persistent_q_bufs if persistent else 1,
-        CONSUMER_REGS=cfg.dropout_consumer_regs if dropout else cfg.consumer_regs,
+        CONSUMER_REGS=consumer_regs,
         CAUSAL=inputs.mask.is_causal, GROUP=inputs.group, PERSISTENT=persistent, num_warps=4,
-        maxnreg=DROPOUT_MAXNREG if dropout else cfg.maxnreg, **features, **_dropout_args(inputs, philox, lse),
+        maxnreg=maxnreg, **features, **_dropout_args(inputs, philox, lse),
     )
     kwargs.update(_bias_args(inputs, rows, block_n))
     return launches + [(attention_fwd_hopper_kernel, grid, kwargs)]

@@ -13,8 +13,9 @@ head dim between the warpgroups instead): one CTA per (128-key tile, batch * hea
 * a producer warp loads K and V once by TMA, then streams Q_i with its -lse slice and dO_i with its
   -delta slice through a ``STAGES``-deep ring;
 * two consumer warpgroups each own 64 keys (keys on the wgmma M side). Per query tile:
-  ``S^T = K Q^T`` and ``dP^T = V dO^T`` start from the folded statistics, so
-  ``P^T = exp2(S^T * scale * log2 e)`` and ``dS^T = P^T * dP^T``; then ``dV += P^T dO``,
+  ``S^T = K Q^T`` and ``dP^T = V dO^T`` take in the folded statistics (S^T starts from -lse,
+  dP^T from -delta or adds it after its wait), so ``P^T = exp2(S^T * scale * log2 e)`` and
+  ``dS^T = P^T * dP^T``; then ``dV += P^T dO``,
   ``dK += dS^T Q`` and ``dQ_part = dS K``, which a TMA bulk reduce-add sums into the fp32
   accumulator. In the atomic mode the order of those adds varies; in the deterministic mode
   (``CHAINS``) they take turns in a fixed order that the producer warp keeps (see ``_rank``).
@@ -91,7 +92,7 @@ def hopper_bwd_preprocess(O, DO, Lse, NegDelta, NegLse, Seqstart, Acc, seqlen, s
                  mask=ok[:, None], other=0.0).to(tl.float32)
     lse = tl.load(Lse + b.to(tl.int64) * stride_lb + h * stride_lh + start + rows, mask=ok, other=float("inf"))
     pad = bh.to(tl.int64) * seqlen_pad + rows
-    # Negated: they are the initial values of the S^T and dP^T accumulators. A row that sees no
+    # Negated: S^T's accumulator starts from -lse, dP^T's from -delta (or adds it). A row that sees no
     # key (a bias of -inf over all of them: lse = -inf) gets -inf too, so its P stays 0.
     tl.store(NegDelta + pad, tl.where(ok, -tl.sum(o * do, 1), 0.0))
     tl.store(NegLse + pad, tl.where(lse == -float("inf"), -float("inf"), -lse * inv_scale))
@@ -454,11 +455,13 @@ def _with_alibi(scores, rel, keys, slope, ALIBI: gl.constexpr):
 @gluon.jit
 def _keep(keys, rel, seqlen, left, right, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """Which elements of S^T a masked tile keeps (``rel`` = key - query)."""
-    keep = keys[:, None] < seqlen
-    if WINDOW:
-        keep = keep & (rel >= -left) & (rel <= right)
-    elif CAUSAL:
-        keep = keep & (rel <= 0)
+    if WINDOW:  # -left <= rel <= right and key < seqlen: one unsigned compare with a key's limit
+        limit = gl.where(keys < seqlen, left + right + 1, 0)
+        keep = (rel + left).to(gl.uint32, bitcast=True) < limit.to(gl.uint32, bitcast=True)[:, None]
+    else:
+        keep = keys[:, None] < seqlen
+        if CAUSAL:
+            keep = keep & (rel <= 0)
     return keep
 
 
@@ -522,10 +525,14 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
     sT = warpgroup_mma(k_w, q_s.permute((1, 0)), sT_start, is_async=True)
     mbarrier.wait(do_ready.index(s), ph)
     do_s = do_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
+    # -delta joins dP^T after its wait where the registers allow (64-row tiles, atomic mode; with
+    # dropout after the mask, see below): an accumulator started from loaded values made ptxas
+    # wait for S^T before issuing dP^T (its note C7517), so the two never queued together.
+    DPT_ZERO: gl.constexpr = BLOCK_M == 64 and CHAINS == 0 and not DROPOUT
     dpT_start = gl.zeros([WG_KEYS, BLOCK_M], gl.float32, sT_layout)
-    if not DROPOUT:  # (with dropout -delta joins after the mask, see below)
+    if not DROPOUT and not DPT_ZERO:
         dpT_start += delta_bufs.index(s).load(sT_layout)
-    dpT = warpgroup_mma(v_w, do_s.permute((1, 0)), dpT_start, is_async=True)
+    dpT = warpgroup_mma(v_w, do_s.permute((1, 0)), dpT_start, use_acc=not DPT_ZERO, is_async=True)
 
     sT = warpgroup_mma_wait(1, deps=[sT])  # S^T done; dP^T may still run under the exp2
     # Queries past the sequence (the next sequence's rows in group mode) need no mask: their
@@ -578,6 +585,8 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
             fence_async_shared()
             p_op = p_smem
         dpT = warpgroup_mma_wait(0, deps=[dpT])
+        if DPT_ZERO:
+            dpT += delta_bufs.index(s).load(sT_layout)
     dsT = (pT * dpT).to(dtype)
     dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
     if DKV_RS:  # dK needs only this warpgroup's dS^T: it runs while the warpgroups meet below
@@ -626,6 +635,61 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
     else:
         _tma_reduce_add(dq_desc, [bd, row_base + m0, acc_h, WG * (HEAD_DIM // 2)], dq_smem)
     return dk, dv
+
+
+@gluon.jit
+def _unseen_edges(WG: gl.constexpr, n0, seqlen, kv_group, m_lo, m_hi, left, right, BLOCK_M: gl.constexpr):
+    """(skip_first, skip_last): whether no row of the CTA's first / last query tile [m_lo, m_hi)
+    sees a key of warpgroup WG under a window (two or more tiles, no GQA): its keys lie right of
+    the first tile's windows, or left of the last's."""
+    key0 = n0 + WG * WG_KEYS
+    two = (m_hi - m_lo >= 2) & (kv_group == 1)
+    skip_first = two & (key0 > m_lo * BLOCK_M + BLOCK_M - 1 + right)
+    skip_last = two & (key0 + WG_KEYS - 1 < (m_hi - 1) * BLOCK_M - left)
+    return skip_first, skip_last
+
+
+@gluon.jit
+def _dq_only_step(WG: gl.constexpr, it, m, k_full, ds_bufs, dq_smem, q_ready, q_empty, do_ready, do_empty, ds_ready,
+                  ds_empty, dq_desc, bd, row_base, h, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DS_BUFS: gl.constexpr):
+    """Step ``it`` (query tile m) of a warpgroup none of whose keys the tile's rows see: its dS^T
+    half is zero, so it writes zeros there and runs only its part of the dQ wgmma, which reads
+    both halves; the waits and releases of ``_consumer_step``, without S^T, dP^T, dV and dK."""
+    s = it % STAGES
+    ph = (it // STAGES) & 1
+    # (the slots are released after their loads landed, as in a full step: a release before would
+    # count toward the use before)
+    mbarrier.wait(q_ready.index(s), ph)
+    mbarrier.wait(do_ready.index(s), ph)
+    buf = it % DS_BUFS
+    ph_ds = (it // DS_BUFS) & 1
+    ds_buf = ds_bufs.index(buf)
+    mbarrier.wait(ds_empty.index(buf), ph_ds ^ 1)
+    zeros_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    ds_buf.slice(WG * WG_KEYS, WG_KEYS, dim=0).store(gl.zeros([WG_KEYS, BLOCK_M], ds_buf.dtype, zeros_layout))
+    fence_async_shared()
+    mbarrier.arrive(ds_ready.index(buf))
+    mbarrier.wait(ds_ready.index(buf), ph_ds)
+    ds_full = ds_buf.permute((1, 0))
+    if BLOCK_M == 128:
+        dq = warpgroup_mma(ds_full.slice(WG * 64, 64, dim=0), k_full,
+                           gl.zeros([64, HEAD_DIM], gl.float32, dq_layout), use_acc=False, is_async=True)
+    else:
+        dq = warpgroup_mma(ds_full, k_full.slice(WG * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1),
+                           gl.zeros([64, HEAD_DIM // 2], gl.float32, dq_layout), use_acc=False, is_async=True)
+    mbarrier.arrive(do_empty.index(s))
+    mbarrier.arrive(q_empty.index(s))
+    dq = warpgroup_mma_wait(0, deps=[dq])
+    mbarrier.arrive(ds_empty.index(buf))
+    tma.store_wait(0)  # the previous reduction has read dq_smem
+    dq_smem.reshape([64, dq.shape[1]]).store(dq)
+    fence_async_shared()
+    m0 = m * BLOCK_M
+    if BLOCK_M == 128:
+        _tma_reduce_add(dq_desc, [bd, row_base + m0 + WG * 64, h, 0], dq_smem)
+    else:
+        _tma_reduce_add(dq_desc, [bd, row_base + m0, h, WG * (HEAD_DIM // 2)], dq_smem)
 
 
 @gluon.jit
@@ -682,7 +746,23 @@ def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, 
     n_m = (m_hi - m_lo) * (n0 < seqlen).to(gl.int32)  # none past the sequence (group mode)
     slope = 0.0  # ALiBi's, in log2 units like the scores
     rot, t_skip, n_v = _rotation(n0, seqlen, m_hi, BLOCK_M)
-    for it in range(kv_group * n_m):
+    # A step whose query tile sees none of this warpgroup's keys runs only its dQ part (its dS^T
+    # half zero): in a band b:1024,0 the second warpgroup's first step and the first's last, 17
+    # full steps each of the CTA's 18. Those steps are peeled off the loop (they leave dK and dV
+    # alone, so the branches hold no accumulator); a window alone in batch mode, atomic.
+    SKIPS: gl.constexpr = WINDOW and ALIBI == 0 and not (GROUP or BIAS or DROPOUT or CHAINS > 0)
+    start = 0  # the full steps: [start, stop)
+    stop = kv_group * n_m
+    skip_first = False
+    skip_last = False
+    if SKIPS:
+        skip_first, skip_last = _unseen_edges(WG, n0, seqlen, kv_group, m_lo, m_hi, left, right, BLOCK_M)
+        start = skip_first.to(gl.int32)
+        stop -= skip_last.to(gl.int32)
+    if SKIPS and skip_first:
+        _dq_only_step(WG, 0, m_lo, k_full, ds_bufs, dq_smem, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty,
+                      dq_desc, bd, row_base, h, dq_layout, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS)
+    for it in range(start, stop):
         m, hq, _ = _group_step(it, n_m, m_lo, h, bh, kv_group)
         rank = 0
         if CHAINS > 0:
@@ -700,6 +780,9 @@ def _consumer_keys(WG: gl.constexpr, dk_desc, dv_desc, dq_desc, k_smem, v_smem, 
                                 mask_bufs, mask_ready, drop_scale, sT_layout, dq_layout, kv_op_layout, BLOCK_M,
                                 HEAD_DIM, STAGES, DS_BUFS, CAUSAL, WINDOW, ALIBI, GROUP, BIAS, CHAINS, DKV_RS,
                                 DROPOUT)
+    if SKIPS and skip_last:
+        _dq_only_step(WG, stop, m_hi - 1, k_full, ds_bufs, dq_smem, q_ready, q_empty, do_ready, do_empty, ds_ready,
+                      ds_empty, dq_desc, bd, row_base, h, dq_layout, BLOCK_M, HEAD_DIM, STAGES, DS_BUFS)
     if CHAINS > 0:
         if n_m > 0:
             _adds_completed(dones, kv_group * n_m)

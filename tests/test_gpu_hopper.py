@@ -5,6 +5,8 @@ Run on an H100/H200 with ``python -m pytest tests/test_gpu_hopper.py``; skipped 
 portable kernels cover the same semantics there).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -42,8 +44,8 @@ CASES = [
     (3, 1, 2, 2, 256, "t", torch.bfloat16, "bshd"),
 ]
 # More query tiles than SMs: each persistent forward CTA runs several, its rings and Q buffers
-# running on (d = 64/128 at 2048 non-causal, d = 128 at 1024 causal; longer ones run one CTA per
-# tile since fwd_persistent's limits).
+# running on (d = 64/128 at 2048 non-causal; longer and causal ones run one CTA per tile since
+# fwd_persistent's limits).
 PERSISTENT_CASES = [
     (4, 2048, 8, 8, 128, None, torch.bfloat16, "bshd"),
     (8, 1024, 8, 8, 128, "t", torch.bfloat16, "bshd"),
@@ -128,6 +130,17 @@ def test_forward_and_backward_against_reference(case):
     for name, got, exact, low in zip("qkv", grads, exact_grads, low_grads):
         assert torch.isfinite(got).all(), f"d{name}"
         assert max_error(got, exact) <= error_bound(dtype, max_error(low, exact)), f"d{name}"
+
+
+@pytest.mark.parametrize("seqlen", [1024, 1000])
+def test_persistent_causal_forward_against_reference(monkeypatch, seqlen):
+    """The persistent causal forward (query-tile major turns, longest first), which no shipped
+    config runs but a tuning sweep may (``tune_hopper_fwd.py --persistent``)."""
+    cfg = dataclasses.replace(hopper.HOPPER_FWD_CONFIGS[128], persistent_max_seqlen_causal=1024)
+    monkeypatch.setitem(hopper.HOPPER_FWD_CONFIGS, 128, cfg)
+    q, k, v, dout, kwargs = _problem((8, seqlen, 8, 8, 128, "t", torch.bfloat16, "bshd"))
+    assert hopper.fwd_persistent(check_inputs(q, k, v, **kwargs))
+    _assert_matches_reference(q, k, v, dout, kwargs)
 
 
 @pytest.mark.parametrize("head_dim, seqlen, mask", [(128, 1024, "t"), (64, 1000, None), (256, 1024, "b"),

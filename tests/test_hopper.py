@@ -254,7 +254,7 @@ def test_forward_and_backward_pass_the_same_window_and_alibi_arguments():
     (128, 1000, {}, True),
     (128, 2048, {}, True),
     (128, 4096, {}, False),
-    (128, 1024, dict(mask="t"), True),
+    (128, 1024, dict(mask="t"), False),  # causal: measured slower (persistent turns balance worse)
     (128, 2000, dict(mask="t"), False),
     (64, 2048, {}, True),
     (64, 1000, dict(mask="t"), False),  # persistent under a causal mask it spills

@@ -189,8 +189,10 @@ HOPPER_FWD_CONFIGS: dict[int, HopperFwdConfig] = {
     64: HopperFwdConfig(128, 3, 3, 160, 128, min_seqlen=2048, min_seqlen_causal=4096, causal_alibi=False,
                         persistent_max_seqlen=2048, persistent_q_bufs=2, group_window_two_consumers=True),
     # 623 TFLOP/s at s=16k (bf16). Persistent: 1k 1.24 (591 against 477), 4k 1.01, 16k 1.00; causal
-    # 1k 1.06, 4k 0.91, 16k 0.88 (static turns balance causal tiles worse than the hardware's dispatch).
-    128: HopperFwdConfig(128, 2, 2, 240, 168, persistent_max_seqlen=2048, persistent_max_seqlen_causal=1024,
+    # 4k 0.91, 16k 0.88 (static turns balance causal tiles worse than the hardware's dispatch), and
+    # at 1k 0.77 on an H100 (session 35, graph replay: 263 / 261 against 341 / 347; cuDNN 387 / 394),
+    # though an earlier build measured 1.06 on the H200: causal runs one CTA per tile.
+    128: HopperFwdConfig(128, 2, 2, 240, 168, persistent_max_seqlen=2048,
                          persistent_q_bufs=2, bias=True, bias_dropout_block_n=64, bias_dropout_stages=3,
                          alibi_linear=True),
     # 718 at s=16k. Persistent: 1k 1.09, 4k 0.98, 16k 0.97; causal 1k 0.86, 4k 0.93, 16k 0.86.

@@ -414,7 +414,7 @@ def test_backward_with_window_or_alibi_against_reference(case):
                                   q, k, v, dout, kwargs)
 
 
-# The deterministic backward: dQ's adds in a fixed order over four copies per head. Ragged lengths
+# The deterministic backward: dQ's adds in a fixed order over the config's copies per head. Ragged lengths
 # (a virtual query tile skipped in the rotation), masks, ALiBi, a single row; bitwise the same over
 # three runs, and against the reference.
 # (batch, seqlen, nhead, head_dim, mask, alibi, dtype)

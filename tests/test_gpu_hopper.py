@@ -414,9 +414,9 @@ def test_backward_with_window_or_alibi_against_reference(case):
                                   q, k, v, dout, kwargs)
 
 
-# The deterministic backward: dQ's adds in a fixed order over the config's copies per head. Ragged lengths
-# (a virtual query tile skipped in the rotation), masks, ALiBi, a single row; bitwise the same over
-# three runs, and against the reference.
+# The deterministic backward: dQ's adds in a fixed order over the config's copies per head.
+# Ragged lengths (a virtual query tile skipped in the rotation), masks, ALiBi, a single row;
+# bitwise the same over three runs, and against the reference.
 # (batch, seqlen, nhead, head_dim, mask, alibi, dtype)
 DETERMINISTIC_CASES = [
     (2, 1000, 4, 128, None, False, torch.bfloat16),

@@ -415,8 +415,9 @@ def test_backward_with_window_or_alibi_against_reference(case):
 
 
 # The deterministic backward: dQ's adds in a fixed order over the config's copies per head.
-# Ragged lengths (a virtual query tile skipped in the rotation), masks, ALiBi, a single row;
-# bitwise the same over three runs, and against the reference.
+# Ragged lengths (a virtual query tile skipped in the rotation), masks, ALiBi, a single row, fewer
+# key tiles than copies (a copy never stored, which the sum skips); bitwise the same over three
+# runs, and against the reference.
 # (batch, seqlen, nhead, head_dim, mask, alibi, dtype)
 DETERMINISTIC_CASES = [
     (2, 1000, 4, 128, None, False, torch.bfloat16),
@@ -426,6 +427,9 @@ DETERMINISTIC_CASES = [
     (1, 1500, 4, 64, "b", False, torch.bfloat16),
     (2, 1100, 2, 128, "t", True, torch.bfloat16),
     (3, 1, 2, 128, "t", False, torch.bfloat16),
+    (2, 200, 2, 64, None, False, torch.bfloat16),
+    (1, 130, 2, 128, "b", False, torch.float16),
+    (1, 16000, 2, 128, "t", False, torch.bfloat16),  # a long causal problem's copies
 ]
 
 

@@ -272,12 +272,18 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
                     problem, torch.empty_like(q), out, lse, grads[0], torch.empty_like(kv_in),
                     torch.empty_like(kv_in), philox=torch.zeros(2, dtype=torch.int64))
                 results.append(_compile(f"{prefix} bwd {kernel.__name__} {name}", kernel, grid, kwargs))
-        if HOPPER_BWD_CONFIGS[head_dim].deterministic_chains:  # (its other two kernels are the same)
+        if bwd_cfg.deterministic_chains:  # its three kernels: the dQ copies change each
             alibi_only = check_inputs(q, k, v, mask="t" if causal else None, alibi_slopes=torch.ones(4))
-            for name, problem in (("deterministic", inputs), ("alibi deterministic", alibi_only)):
-                _, (kernel, grid, kwargs), _ = hopper.bwd_launches(problem, torch.empty_like(q), out, lse, *grads,
-                                                                   deterministic=True)
-                results.append(_compile(f"{prefix} bwd {kernel.__name__} {name}", kernel, grid, kwargs))
+            deterministic = [("deterministic", inputs), ("alibi deterministic", alibi_only)]
+            if causal and bwd_cfg.long_causal_seqlen:  # a long causal problem's copies
+                long_q = torch.empty(1, bwd_cfg.long_causal_seqlen, 4, head_dim, dtype=dtype)
+                deterministic.append(("long deterministic", check_inputs(long_q, long_q, long_q, mask="t")))
+            for name, problem in deterministic:
+                outs = [torch.empty_like(problem.q) for _ in range(5)]
+                for kernel, grid, kwargs in hopper.bwd_launches(problem, outs[0], outs[1],
+                                                                torch.empty(problem.lse_shape, dtype=torch.float32),
+                                                                *outs[2:], deterministic=True):
+                    results.append(_compile(f"{prefix} bwd {kernel.__name__} {name}", kernel, grid, kwargs))
     return results
 
 

@@ -217,10 +217,14 @@ class HopperBwdConfig:
     dq_cols: int = 0  # d=256 (64 keys per CTA, the warpgroups split the head dim): dQ piece width
     windows_and_alibi: bool = True  # sliding windows and ALiBi on the fast path (not the d=256 kernel)
     feature_block_m: int = 0  # the query tile in group mode or with a window or ALiBi (0: block_m)
-    # The deterministic mode's dQ accumulator copies per head, a power of two (0: the portable
-    # kernels; see hopper_bwd's ``_rank``): with more a CTA has more steps of slack before it
-    # waits for its turn to add.
+    # The deterministic mode's dQ accumulator copies per head (0: the portable kernels; see
+    # hopper_bwd's ``_rank``): with more a CTA has more steps of slack before it waits for its
+    # turn to add, and each costs 4 * numel(q) bytes written and summed. With one query tile a key
+    # tile (block_m 128) at least three, else the turns deadlock.
     deterministic_chains: int = 0
+    # ... under a causal mask from this many queries on (0: never), this many copies instead
+    long_causal_seqlen: int = 0
+    long_causal_chains: int = 0
     # An elementwise bias (without its gradient) on the fast path: one slot of [block_m, 64] bias
     # tiles per warpgroup beside the rings, in the feature query tile (its shared memory must fit).
     bias: bool = False
@@ -244,20 +248,29 @@ class HopperBwdConfig:
     def block_m_for(self, features: bool) -> int:
         return self.feature_block_m if features and self.feature_block_m else self.block_m
 
+    def chains_for(self, causal: bool, seqlen: int) -> int:
+        """The deterministic mode's dQ copies per head for a problem."""
+        if causal and self.long_causal_seqlen and seqlen >= self.long_causal_seqlen:
+            return self.long_causal_chains
+        return self.deterministic_chains
+
 
 HOPPER_BWD_CONFIGS: dict[int, HopperBwdConfig] = {
     # 437 TFLOP/s at s=16k (bf16); 128-row query tiles spill in group mode and with a window and
     # ALiBi (24 and 8 B), 64-row ones do not
-    64: HopperBwdConfig(128, 2, 2, 240, 168, feature_block_m=64, deterministic_chains=4, bias=True,
+    # Deterministic, of atomic (H100, two rounds, 1k / 4k / 16k, plain | causal): three dQ copies
+    # 0.88 0.95 0.88-0.96 | 0.91 0.94 0.97; four 0.84 0.96 0.91 | 0.86 0.90 0.95 (two deadlock).
+    64: HopperBwdConfig(128, 2, 2, 240, 168, feature_block_m=64, deterministic_chains=3, bias=True,
                         bias_grad=True, dkv_rs=True, dropout=True),
     # 503 at s=16k (causal 498), 477 (460) with P^T and dS^T from shared memory, which also spilled
     # 28 B with a bias, GQA and a causal mask
     # With dropout at 232 registers a window, ALiBi under a causal mask and GQA under one spill 8-32 B.
-    # Deterministic, of atomic (H100, two rounds): two dQ copies 4k 0.94 / 0.90, causal 0.89 / 0.95,
-    # 16k 0.93 / 0.95, causal 0.82 / 0.80; four 0.74 / 0.76, 0.69 / 0.71, 0.80 / 0.86, 0.89 / 0.89
-    # (each copy is 4 * numel(q) bytes zeroed and summed: a larger share of a shorter sequence's time).
-    128: HopperBwdConfig(64, 2, 2, 240, 168, deterministic_chains=2, bias=True, bias_grad=True, dkv_rs=True,
-                         dropout=True, dropout_features=False),
+    # Deterministic, of atomic (H100, two rounds, 1k / 4k / 16k, plain | causal): two dQ copies
+    # 0.94 0.96-0.98 0.84-0.95 | 0.95 0.93-0.97 0.81; three 0.83-0.86 0.89 0.84-0.91 | 0.84 0.89 0.89-0.92
+    # (a copy's bytes weigh more in a shorter sequence; a longer causal one waits more for its turns:
+    # 8k and 12k causal about even).
+    128: HopperBwdConfig(64, 2, 2, 240, 168, deterministic_chains=2, long_causal_seqlen=12288, long_causal_chains=3,
+                         bias=True, bias_grad=True, dkv_rs=True, dropout=True, dropout_features=False),
     # one P/dS tile pair (ds_bufs 1); 308 at s=16k
     256: HopperBwdConfig(64, 2, 1, 240, 168, dq_cols=32, windows_and_alibi=False),
 }

@@ -616,8 +616,9 @@ def _bwd_tensors(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
     seqlen_pad = cdiv(seqlen, STAT_PAD) * STAT_PAD
     neg_delta = torch.empty((batch, nhead, seqlen_pad), dtype=torch.float32, device=q.device)
     neg_lse = torch.empty_like(neg_delta)
-    chains = HOPPER_BWD_CONFIGS[q.shape[3]].deterministic_chains if deterministic else 0
-    # In batch mode the preprocess's rows cover every row of dQ's accumulator, so it zeroes them.
+    chains = _chains(inputs, deterministic)
+    # In batch mode the preprocess's rows cover every row of dQ's accumulator, so it zeroes them
+    # (but where the deterministic mode stores each copy's first add).
     dq_acc = (torch.zeros if inputs.group else torch.empty)(
         (*q.shape[:2], q.shape[2] * max(chains, 1), q.shape[3]), dtype=torch.float32, device=q.device)
     # deterministic: one turn counter per (batch * head, query tile, dQ copy)
@@ -625,6 +626,12 @@ def _bwd_tensors(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
                        device=q.device) if chains else neg_lse
     return (q, k, v, dout, out, lse, dq, dk, dv, neg_delta, neg_lse, neg_delta.view(-1, seqlen_pad),
             neg_lse.view(-1, seqlen_pad), dq_acc, sems)
+
+
+def _chains(inputs: AttentionInputs, deterministic: bool) -> int:
+    """The deterministic mode's dQ copies per head (0: atomic mode)."""
+    cfg = HOPPER_BWD_CONFIGS[inputs.head_dim_q]
+    return cfg.chains_for(inputs.mask.is_causal, inputs.max_seqlen_q) if deterministic else 0
 
 
 def _bwd_block_m(inputs: AttentionInputs) -> int:
@@ -666,9 +673,11 @@ def _build_bwd_launches(inputs: AttentionInputs, tensors: tuple, deterministic: 
     # of its group (GQA/MQA) with its K/V resident.
     nhead_k = inputs.nhead_k
     kv_group = nhead // nhead_k
-    chains = cfg.deterministic_chains if deterministic else 0
+    chains = _chains(inputs, deterministic)
     copies = max(chains, 1)  # the deterministic mode's dQ copies per head
-    zero_acc = not inputs.group  # (see _bwd_tensors)
+    block_m = _bwd_block_m(inputs)
+    # (see _bwd_tensors) The deterministic mode's 64-row query tiles store each copy's first add.
+    zero_acc = not inputs.group and (not chains or block_m == 128)
     per_sequence = 0 if inputs.group else 1  # group mode: one packed "batch", sequences by seqstart
     preprocess = dict(
         O=out, DO=dout, Lse=lse, NegDelta=neg_delta, NegLse=neg_lse,
@@ -679,8 +688,9 @@ def _build_bwd_launches(inputs: AttentionInputs, tensors: tuple, deterministic: 
         HEAD_DIM=head_dim, BLOCK=STAT_PAD, GROUP=inputs.group, ZERO_ACC=zero_acc, COPIES=copies,
         num_warps=8 if head_dim <= 128 else 16,
     )
-    convert = dict(Acc=dq_acc, DQ=dq, n=dq.numel(), scale=inputs.scale, BLOCK=CONVERT_BLOCK, COPIES=copies,
-                   HEAD_DIM=head_dim, num_warps=8)
+    convert = dict(Acc=dq_acc, DQ=dq, n=dq.numel(), scale=inputs.scale, seqlen=seqlen, H=nhead, BLOCK=CONVERT_BLOCK,
+                   COPIES=copies, HEAD_DIM=head_dim, CAUSAL=inputs.mask.is_causal and copies > 1, BLOCK_M=block_m,
+                   num_warps=8)
     if head_dim == 256:  # the head-dim-split kernel: 64 keys per CTA
         wide = dict(
             q_desc=_desc(q, cfg.block_m, head_dim), k_desc=_desc(k, WIDE_KEYS.value, head_dim),
@@ -696,7 +706,6 @@ def _build_bwd_launches(inputs: AttentionInputs, tensors: tuple, deterministic: 
     else:
         features = _window_and_alibi_args(inputs, neg_lse)
         dropout = _dropout_args(inputs, philox, neg_lse)
-        block_m = _bwd_block_m(inputs)
         dq_cols = head_dim if block_m == 128 else head_dim // 2
         k_desc = _desc(k, BLOCK_N.value, head_dim)
         narrow = dict(

@@ -104,18 +104,25 @@ def hopper_bwd_preprocess(O, DO, Lse, NegDelta, NegLse, Seqstart, Acc, seqlen, s
 
 
 @triton.jit
-def hopper_bwd_convert_dq(Acc, DQ, n, scale, BLOCK: tl.constexpr, COPIES: tl.constexpr, HEAD_DIM: tl.constexpr):
+def hopper_bwd_convert_dq(Acc, DQ, n, scale, seqlen, H, BLOCK: tl.constexpr, COPIES: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
     """dQ = scale * the fp32 accumulator, ``[B, S, H * COPIES, HEAD_DIM]``: each head's COPIES
-    copies (the deterministic mode's) summed in order."""
+    copies (the deterministic mode's) summed in order. Where a copy's first add is a store (its rows
+    are not zeroed), a query tile with fewer key tiles than copies never wrote the last ones: the
+    sum reads only the copies a tile got."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     keep = offs < n
     if COPIES == 1:
         acc = tl.load(Acc + offs, mask=keep, other=0.0)
     else:
+        key_tiles = tl.cdiv(seqlen, BLOCK_N)
+        if CAUSAL:  # (see _rank)
+            query_tile = (offs // (H * HEAD_DIM) % seqlen) // BLOCK_M
+            key_tiles = tl.minimum(((query_tile + 1) * BLOCK_M - 1) // BLOCK_N, key_tiles - 1) + 1
         first = offs // HEAD_DIM * (COPIES * HEAD_DIM) + offs % HEAD_DIM
         acc = tl.load(Acc + first, mask=keep, other=0.0)
         for c in tl.static_range(1, COPIES):
-            acc += tl.load(Acc + first + c * HEAD_DIM, mask=keep, other=0.0)
+            acc += tl.load(Acc + first + c * HEAD_DIM, mask=keep & (c < key_tiles), other=0.0)
     tl.store(DQ + offs, (acc * scale).to(DQ.dtype.element_ty), mask=keep)
 
 
@@ -631,9 +638,18 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
     if CHAINS > 0:
         mbarrier.wait(grants.index(WG * TURN_SLOTS + it % TURN_SLOTS), (it // TURN_SLOTS) & 1)
     if BLOCK_M == 128:
-        _tma_reduce_add(dq_desc, [bd, row_base + m0 + WG * 64, acc_h, 0], dq_smem)
+        coord = [bd, row_base + m0 + WG * 64, acc_h, 0]
     else:
-        _tma_reduce_add(dq_desc, [bd, row_base + m0, acc_h, WG * (HEAD_DIM // 2)], dq_smem)
+        coord = [bd, row_base + m0, acc_h, WG * (HEAD_DIM // 2)]
+    # A copy's first add is a store (its rows are not zeroed: a DRAM write and read saved), except
+    # in 128-row query tiles, where the branch spilled 32 B
+    if CHAINS > 0 and BLOCK_M == 64:
+        if rank < CHAINS:
+            tma.async_copy_shared_to_global(dq_desc, coord, dq_smem)
+        else:
+            _tma_reduce_add(dq_desc, coord, dq_smem)
+    else:
+        _tma_reduce_add(dq_desc, coord, dq_smem)
     return dk, dv
 
 
@@ -838,6 +854,9 @@ def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                                 CHAINS: gl.constexpr, DKV_RS: gl.constexpr, DROPOUT: gl.constexpr):
     gl.static_assert(BLOCK_M == 64 or BLOCK_M == 128)
     gl.static_assert(not DROPOUT or (DKV_RS and not BIAS and CHAINS == 0))
+    # The producer holds a step's turn until it has the next one (see _producer): with fewer than
+    # three steps between a query tile's adds into one copy, the CTAs' waits close a cycle and trap.
+    gl.static_assert(CHAINS == 0 or CHAINS * (BLOCK_N // BLOCK_M) >= 3)
     dtype: gl.constexpr = q_desc.dtype
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_KEYS, BLOCK_M], dtype)

@@ -429,7 +429,8 @@ DETERMINISTIC_CASES = [
     (3, 1, 2, 128, "t", False, torch.bfloat16),
     (2, 200, 2, 64, None, False, torch.bfloat16),
     (1, 130, 2, 128, "b", False, torch.float16),
-    (1, 16000, 2, 128, "t", False, torch.bfloat16),  # a long causal problem's copies
+    (1, 16000, 2, 128, "t", False, torch.bfloat16),  # long causal problems' copies
+    (1, 12300, 2, 64, "b", False, torch.float16),
 ]
 
 

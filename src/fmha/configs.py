@@ -225,6 +225,7 @@ class HopperBwdConfig:
     # ... under a causal mask from this many queries on (0: never), this many copies instead
     long_causal_seqlen: int = 0
     long_causal_chains: int = 0
+    deterministic_block_m: int = 0  # the deterministic mode's query tile (0: as in atomic mode)
     # An elementwise bias (without its gradient) on the fast path: one slot of [block_m, 64] bias
     # tiles per warpgroup beside the rings, in the feature query tile (its shared memory must fit).
     bias: bool = False
@@ -258,10 +259,13 @@ class HopperBwdConfig:
 HOPPER_BWD_CONFIGS: dict[int, HopperBwdConfig] = {
     # 437 TFLOP/s at s=16k (bf16); 128-row query tiles spill in group mode and with a window and
     # ALiBi (24 and 8 B), 64-row ones do not
-    # Deterministic, of atomic (H100, two rounds, 1k / 4k / 16k, plain | causal): three dQ copies
-    # 0.88 0.95 0.88-0.96 | 0.91 0.94 0.97; four 0.84 0.96 0.91 | 0.86 0.90 0.95 (two deadlock).
-    64: HopperBwdConfig(128, 2, 2, 240, 168, feature_block_m=64, deterministic_chains=3, bias=True,
-                        bias_grad=True, dkv_rs=True, dropout=True),
+    # Deterministic, of atomic (H100, 1k / 4k / 16k, plain | causal), 64-row query tiles: two dQ
+    # copies 0.96-0.97 0.97 0.91-0.92 | 0.96 0.93 0.68, three 0.89 0.95 0.89 | 0.87 0.87 0.87;
+    # 128-row tiles (whose first adds cannot be stores: 32 B spilled) with three copies 0.80-0.82
+    # 0.97 0.94-1.0 | 0.77 0.89 0.83-0.95 (two deadlock).
+    64: HopperBwdConfig(128, 2, 2, 240, 168, feature_block_m=64, deterministic_chains=2, long_causal_seqlen=12288,
+                        long_causal_chains=3, deterministic_block_m=64, bias=True, bias_grad=True, dkv_rs=True,
+                        dropout=True),
     # 503 at s=16k (causal 498), 477 (460) with P^T and dS^T from shared memory, which also spilled
     # 28 B with a bias, GQA and a causal mask
     # With dropout at 232 registers a window, ALiBi under a causal mask and GQA under one spill 8-32 B.

@@ -618,11 +618,11 @@ def _bwd_tensors(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
     neg_lse = torch.empty_like(neg_delta)
     chains = _chains(inputs, deterministic)
     # In batch mode the preprocess's rows cover every row of dQ's accumulator, so it zeroes them
-    # (but where the deterministic mode stores each copy's first add).
+    # (atomic mode: the deterministic mode stores each copy's first add).
     dq_acc = (torch.zeros if inputs.group else torch.empty)(
         (*q.shape[:2], q.shape[2] * max(chains, 1), q.shape[3]), dtype=torch.float32, device=q.device)
     # deterministic: one turn counter per (batch * head, query tile, dQ copy)
-    sems = torch.zeros((batch * nhead, cdiv(seqlen, _bwd_block_m(inputs)), chains), dtype=torch.int32,
+    sems = torch.zeros((batch * nhead, cdiv(seqlen, _bwd_block_m(inputs, deterministic)), chains), dtype=torch.int32,
                        device=q.device) if chains else neg_lse
     return (q, k, v, dout, out, lse, dq, dk, dv, neg_delta, neg_lse, neg_delta.view(-1, seqlen_pad),
             neg_lse.view(-1, seqlen_pad), dq_acc, sems)
@@ -634,12 +634,14 @@ def _chains(inputs: AttentionInputs, deterministic: bool) -> int:
     return cfg.chains_for(inputs.mask.is_causal, inputs.max_seqlen_q) if deterministic else 0
 
 
-def _bwd_block_m(inputs: AttentionInputs) -> int:
+def _bwd_block_m(inputs: AttentionInputs, deterministic: bool) -> int:
     """The narrow backward's query tile: the config's feature tile in group mode, with a window,
-    ALiBi, a bias or dropout."""
-    return HOPPER_BWD_CONFIGS[inputs.head_dim_q].block_m_for(
-        inputs.group or inputs.mask.is_window or inputs.alibi_slopes is not None or inputs.bias is not None
-        or inputs.dropout_p > 0)
+    ALiBi, a bias or dropout, its deterministic tile in that mode."""
+    cfg = HOPPER_BWD_CONFIGS[inputs.head_dim_q]
+    if deterministic and cfg.deterministic_block_m:
+        return cfg.deterministic_block_m
+    return cfg.block_m_for(inputs.group or inputs.mask.is_window or inputs.alibi_slopes is not None
+                           or inputs.bias is not None or inputs.dropout_p > 0)
 
 
 def _bwd_plan(inputs: AttentionInputs, tensors: tuple, deterministic: bool, dbias_t: torch.Tensor | None):
@@ -675,9 +677,8 @@ def _build_bwd_launches(inputs: AttentionInputs, tensors: tuple, deterministic: 
     kv_group = nhead // nhead_k
     chains = _chains(inputs, deterministic)
     copies = max(chains, 1)  # the deterministic mode's dQ copies per head
-    block_m = _bwd_block_m(inputs)
-    # (see _bwd_tensors) The deterministic mode's 64-row query tiles store each copy's first add.
-    zero_acc = not inputs.group and (not chains or block_m == 128)
+    block_m = _bwd_block_m(inputs, deterministic)
+    zero_acc = not inputs.group and not chains  # (see _bwd_tensors)
     per_sequence = 0 if inputs.group else 1  # group mode: one packed "batch", sequences by seqstart
     preprocess = dict(
         O=out, DO=dout, Lse=lse, NegDelta=neg_delta, NegLse=neg_lse,

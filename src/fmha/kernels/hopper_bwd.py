@@ -107,8 +107,8 @@ def hopper_bwd_preprocess(O, DO, Lse, NegDelta, NegLse, Seqstart, Acc, seqlen, s
 def hopper_bwd_convert_dq(Acc, DQ, n, scale, seqlen, H, BLOCK: tl.constexpr, COPIES: tl.constexpr,
                           HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
     """dQ = scale * the fp32 accumulator, ``[B, S, H * COPIES, HEAD_DIM]``: each head's COPIES
-    copies (the deterministic mode's) summed in order. Where a copy's first add is a store (its rows
-    are not zeroed), a query tile with fewer key tiles than copies never wrote the last ones: the
+    copies (the deterministic mode's) summed in order. A copy's first add is a store (its rows are
+    not zeroed), so a query tile with fewer key tiles than copies never wrote the last ones: the
     sum reads only the copies a tile got."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     keep = offs < n
@@ -299,9 +299,10 @@ def _rank(m, t, n0, seqlen, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
     step there). Causal: from the tile's last key tile down; they run side by side, the later key
     tiles a step ahead each. Then key tile n waits for n + CHAINS to finish step it - CHAINS * K
     (K = BLOCK_N / BLOCK_M query tiles a key tile): launched longest first, n + CHAINS must start
-    within CHAINS * K steps of n. With K = 1 (d = 64, 16k) they often did not, so those launch
-    last first (``_this_program``'s LAST_FIRST: 0.95 of atomic against 0.82); with K = 2 the
-    longest-first order keeps its better balance (d = 128: 0.92 against 0.78 last first).
+    within CHAINS * K steps of n. With K = 1 (128-row tiles at d = 64, 16k) they often did not,
+    so those launch last first (``_this_program``'s LAST_FIRST: 0.95 of atomic against 0.82);
+    with K = 2 the longest-first order keeps its better balance (d = 128: 0.92 against 0.78 last
+    first).
     Otherwise ``_rotation``'s order."""
     if CAUSAL:
         rank = gl.minimum(((m + 1) * BLOCK_M - 1) // BLOCK_N, gl.cdiv(seqlen, BLOCK_N) - 1) - n0 // BLOCK_N
@@ -641,9 +642,9 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
         coord = [bd, row_base + m0 + WG * 64, acc_h, 0]
     else:
         coord = [bd, row_base + m0, acc_h, WG * (HEAD_DIM // 2)]
-    # A copy's first add is a store (its rows are not zeroed: a DRAM write and read saved), except
-    # in 128-row query tiles, where the branch spilled 32 B
-    if CHAINS > 0 and BLOCK_M == 64:
+    # A copy's first add is a store (its rows are not zeroed: a DRAM write and read saved; in
+    # 128-row query tiles at d=64 the branch spilled 32 B)
+    if CHAINS > 0:
         if rank < CHAINS:
             tma.async_copy_shared_to_global(dq_desc, coord, dq_smem)
         else:

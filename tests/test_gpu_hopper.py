@@ -107,7 +107,7 @@ def test_fast_path_takes_these_problems(case):
     assert hopper.fwd_unsupported(inputs) is None
     assert hopper.bwd_unsupported(inputs, deterministic=False) is None
     deterministic = hopper.bwd_unsupported(inputs, deterministic=True)
-    if inputs.head_dim_q in (64, 128) and inputs.nhead_q == inputs.nhead_k:
+    if inputs.nhead_q == inputs.nhead_k:
         assert deterministic is None
     else:
         assert deterministic.startswith("deterministic mode")
@@ -431,6 +431,14 @@ DETERMINISTIC_CASES = [
     (1, 130, 2, 128, "b", False, torch.float16),
     (1, 16000, 2, 128, "t", False, torch.bfloat16),  # long causal problems' copies
     (1, 12300, 2, 64, "b", False, torch.float16),
+    # head dim 256 (the wide kernel's order): more key tiles than SMs, one key tile (fewer than
+    # copies), a single row
+    (2, 1000, 4, 256, None, False, torch.bfloat16),
+    (1, 2049, 2, 256, "t", False, torch.float16),
+    (1, 9000, 2, 256, None, False, torch.bfloat16),
+    (1, 9001, 1, 256, "b", False, torch.bfloat16),
+    (2, 60, 2, 256, None, False, torch.float16),
+    (3, 1, 2, 256, "t", False, torch.bfloat16),
 ]
 
 

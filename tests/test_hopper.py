@@ -189,7 +189,9 @@ def test_the_narrow_backward_takes_windows_and_alibi(monkeypatch, head_dim, kwar
     (dict(), None),
     (dict(mask="t"), None),
     (dict(head_dim=64, mask="b"), None),
-    (dict(head_dim=256), "deterministic mode at head dim 256"),
+    (dict(head_dim=256), None),
+    (dict(head_dim=256, mask="t"), None),
+    (dict(head_dim=256, nhead_k=2), "deterministic mode with GQA/MQA"),
     (dict(nhead_k=2), "deterministic mode with GQA/MQA"),
     (dict(mask="b:100,0"), "deterministic mode with a sliding window"),
 ])
@@ -208,6 +210,15 @@ def test_the_deterministic_backward_wants_a_heads_key_tiles_resident_together(mo
     longer = torch.empty(1, 132 * 128 + 1, 2, 128, dtype=torch.bfloat16)
     assert hopper.bwd_unsupported(check_inputs(longer, longer, longer, mask=mask), deterministic=True) == \
         "deterministic mode over 133 key tiles of 128: more than the 132 SMs"
+
+
+@pytest.mark.parametrize("mask", [None, "t"])
+def test_the_wide_deterministic_backward_runs_any_number_of_key_tiles(monkeypatch, mask):
+    """At head dim 256 a CTA waits only for key tiles launched before it: no residency limit."""
+    _on_cuda(monkeypatch)
+    _with_sms(monkeypatch, 132)
+    longer = torch.empty(1, 4 * 132 * 64 + 1, 1, 256, dtype=torch.bfloat16)
+    assert hopper.bwd_unsupported(check_inputs(longer, longer, longer, mask=mask), deterministic=True) is None
 
 
 def test_the_deterministic_backward_leaves_group_mode_to_the_portable_kernels(monkeypatch):

@@ -218,14 +218,18 @@ class HopperBwdConfig:
     windows_and_alibi: bool = True  # sliding windows and ALiBi on the fast path (not the d=256 kernel)
     feature_block_m: int = 0  # the query tile in group mode or with a window or ALiBi (0: block_m)
     # The deterministic mode's dQ accumulator copies per head (0: the portable kernels; see
-    # hopper_bwd's ``_rank``): with more a CTA has more steps of slack before it waits for its
-    # turn to add, and each costs 4 * numel(q) bytes written and summed. With one query tile a key
-    # tile (block_m 128) at least three, else the turns deadlock.
+    # hopper_bwd's ``_rank`` and the wide kernel's order): with more a CTA has more steps of slack
+    # before it waits for its turn to add, and each costs 4 * numel(q) bytes written and summed. In
+    # the narrow kernel with one query tile a key tile (block_m 128) at least three, else the turns
+    # deadlock.
     deterministic_chains: int = 0
     # ... under a causal mask from this many queries on (0: never), this many copies instead
     long_causal_seqlen: int = 0
     long_causal_chains: int = 0
     deterministic_block_m: int = 0  # the deterministic mode's query tile (0: as in atomic mode)
+    # The wide kernel (d=256): under a causal mask below long_causal_seqlen, its DIAGONAL order
+    # (see hopper_bwd) with this many copies (0: the aligned order throughout)
+    diagonal_chains: int = 0
     # An elementwise bias (without its gradient) on the fast path: one slot of [block_m, 64] bias
     # tiles per warpgroup beside the rings, in the feature query tile (its shared memory must fit).
     bias: bool = False
@@ -253,7 +257,14 @@ class HopperBwdConfig:
         """The deterministic mode's dQ copies per head for a problem."""
         if causal and self.long_causal_seqlen and seqlen >= self.long_causal_seqlen:
             return self.long_causal_chains
+        if self.diagonal_order(causal, seqlen):
+            return self.diagonal_chains
         return self.deterministic_chains
+
+    def diagonal_order(self, causal: bool, seqlen: int) -> bool:
+        """Whether the wide kernel's deterministic mode takes its DIAGONAL order."""
+        return causal and self.diagonal_chains > 0 and not (self.long_causal_seqlen and
+                                                            seqlen >= self.long_causal_seqlen)
 
 
 HOPPER_BWD_CONFIGS: dict[int, HopperBwdConfig] = {
@@ -276,5 +287,11 @@ HOPPER_BWD_CONFIGS: dict[int, HopperBwdConfig] = {
     128: HopperBwdConfig(64, 2, 2, 240, 168, deterministic_chains=2, long_causal_seqlen=12288, long_causal_chains=3,
                          bias=True, bias_grad=True, dkv_rs=True, dropout=True, dropout_features=False),
     # one P/dS tile pair (ds_bufs 1); 308 at s=16k
-    256: HopperBwdConfig(64, 2, 1, 240, 168, dq_cols=32, windows_and_alibi=False),
+    # Deterministic, of atomic (H100, 1k / 4k / 16k, plain | causal): aligned order, two copies
+    # 0.83 0.88 0.97 | 0.73 0.66 0.74, three 0.84-0.86 0.95 0.99 | 0.75 0.77 0.87 (8 B spilled),
+    # four 0.84 0.975 0.97 | - 0.81 0.86; the causal DIAGONAL order, two copies 0.95 0.91 0.61,
+    # three 0.80 0.68 0.49. Shipped, two rounds: 0.84 0.94-0.95 0.95-0.98 | 0.93-0.94 0.89-0.91
+    # 0.90-0.91 (the diagonal order below 132 key tiles of 64, which fit an H100's or H200's SMs).
+    256: HopperBwdConfig(64, 2, 1, 240, 168, dq_cols=32, windows_and_alibi=False, deterministic_chains=4,
+                         long_causal_seqlen=132 * 64 + 1, long_causal_chains=4, diagonal_chains=2),
 }

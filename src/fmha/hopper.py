@@ -191,8 +191,9 @@ def _dropout_bwd_reason(inputs: AttentionInputs, deterministic: bool) -> str | N
 
 def _deterministic_reason(inputs: AttentionInputs) -> str | None:
     """Why the deterministic mode cannot take the fast path, or None. Each query tile's dQ adds go
-    in a fixed order of its key tiles (``kernels/hopper_bwd._rank``), in which a CTA may wait for
-    one launched after it: a head's key tiles must all be resident at once, one CTA per SM."""
+    in a fixed order of its key tiles: the narrow kernel's (``kernels/hopper_bwd._rank``) has a CTA
+    wait for one launched after it, so a head's key tiles must all be resident at once, one CTA per
+    SM; the wide kernel's (head dim 256) only for ones launched before it."""
     from .kernels.hopper_bwd import BLOCK_N
 
     why = [
@@ -206,7 +207,7 @@ def _deterministic_reason(inputs: AttentionInputs) -> str | None:
             return f"deterministic mode {what}"
     key_tiles = cdiv(inputs.max_seqlen_q, BLOCK_N.value)
     sms = _sm_count(_device_index(inputs.q.device))
-    if key_tiles > sms:
+    if inputs.head_dim_q != 256 and key_tiles > sms:
         return f"deterministic mode over {key_tiles} key tiles of {BLOCK_N.value}: more than the {sms} SMs"
     return None
 
@@ -691,16 +692,16 @@ def _build_bwd_launches(inputs: AttentionInputs, tensors: tuple, deterministic: 
     )
     convert = dict(Acc=dq_acc, DQ=dq, n=dq.numel(), scale=inputs.scale, seqlen=seqlen, H=nhead, BLOCK=CONVERT_BLOCK,
                    COPIES=copies, HEAD_DIM=head_dim, CAUSAL=inputs.mask.is_causal and copies > 1, BLOCK_M=block_m,
-                   num_warps=8)
+                   KEYS=WIDE_KEYS.value if head_dim == 256 else BLOCK_N.value, num_warps=8)
     if head_dim == 256:  # the head-dim-split kernel: 64 keys per CTA
         wide = dict(
             q_desc=_desc(q, cfg.block_m, head_dim), k_desc=_desc(k, WIDE_KEYS.value, head_dim),
             v_desc=_desc(v, WIDE_KEYS.value, head_dim), do_desc=_desc(dout, cfg.block_m, head_dim),
             dq_desc=_desc(dq_acc, cfg.block_m, cfg.dq_cols, swizzle=False), dk_ptr=dk, dv_ptr=dv,
-            neg_lse_ptr=neg_lse, neg_delta_ptr=neg_delta, seqlen=seqlen, seqlen_pad=seqlen_pad, H=nhead_k,
-            kv_group=kv_group,
-            qk_scale=inputs.scale * LOG2E, sm_scale=inputs.scale, HEAD_DIM=head_dim, STAGES=cfg.stages,
-            DQ_COLS=cfg.dq_cols, CONSUMER_REGS=cfg.consumer_regs, CAUSAL=inputs.mask.is_causal, num_warps=4,
+            neg_lse_ptr=neg_lse, neg_delta_ptr=neg_delta, sem_ptr=sems, seqlen=seqlen, seqlen_pad=seqlen_pad,
+            H=nhead_k, kv_group=kv_group, qk_scale=inputs.scale * LOG2E, sm_scale=inputs.scale, HEAD_DIM=head_dim,
+            STAGES=cfg.stages, DQ_COLS=cfg.dq_cols, CONSUMER_REGS=cfg.consumer_regs, CAUSAL=inputs.mask.is_causal,
+            CHAINS=chains, DIAGONAL=bool(chains) and cfg.diagonal_order(inputs.mask.is_causal, seqlen), num_warps=4,
             maxnreg=cfg.maxnreg,
         )
         main = (attention_bwd_hopper_wide_kernel, (cdiv(seqlen, WIDE_KEYS.value) * batch * nhead_k,), wide)

@@ -105,20 +105,20 @@ def hopper_bwd_preprocess(O, DO, Lse, NegDelta, NegLse, Seqstart, Acc, seqlen, s
 
 @triton.jit
 def hopper_bwd_convert_dq(Acc, DQ, n, scale, seqlen, H, BLOCK: tl.constexpr, COPIES: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, KEYS: tl.constexpr):
     """dQ = scale * the fp32 accumulator, ``[B, S, H * COPIES, HEAD_DIM]``: each head's COPIES
     copies (the deterministic mode's) summed in order. A copy's first add is a store (its rows are
     not zeroed), so a query tile with fewer key tiles than copies never wrote the last ones: the
-    sum reads only the copies a tile got."""
+    sum reads only the copies a tile got (query tiles of BLOCK_M rows, key tiles of KEYS)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     keep = offs < n
     if COPIES == 1:
         acc = tl.load(Acc + offs, mask=keep, other=0.0)
     else:
-        key_tiles = tl.cdiv(seqlen, BLOCK_N)
-        if CAUSAL:  # (see _rank)
+        key_tiles = tl.cdiv(seqlen, KEYS)
+        if CAUSAL:  # the key tiles that hold a key the tile's last row sees
             query_tile = (offs // (H * HEAD_DIM) % seqlen) // BLOCK_M
-            key_tiles = tl.minimum(((query_tile + 1) * BLOCK_M - 1) // BLOCK_N, key_tiles - 1) + 1
+            key_tiles = tl.minimum(((query_tile + 1) * BLOCK_M - 1) // KEYS + 1, key_tiles)
         first = offs // HEAD_DIM * (COPIES * HEAD_DIM) + offs % HEAD_DIM
         acc = tl.load(Acc + first, mask=keep, other=0.0)
         for c in tl.static_range(1, COPIES):
@@ -260,6 +260,22 @@ _BULK_COMPLETE = gl.constexpr("cp.async.bulk.wait_group 0; fence.proxy.async.glo
 
 
 @gluon.jit
+def _turn_barriers(stand_in, CHAINS: gl.constexpr):
+    """(grants, dones): the deterministic mode's rings, initialized; else ``stand_in`` twice."""
+    if CHAINS > 0:
+        grants = gl.allocate_shared_memory(gl.int64, [2 * TURN_SLOTS, 1], mbarrier.MBarrierLayout())
+        dones = gl.allocate_shared_memory(gl.int64, [TURN_SLOTS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2 * TURN_SLOTS):
+            mbarrier.init(grants.index(i), count=1)
+        for i in gl.static_range(TURN_SLOTS):
+            mbarrier.init(dones.index(i), count=2)  # one arrive per consumer warpgroup
+    else:  # never read
+        grants = stand_in
+        dones = stand_in
+    return grants, dones
+
+
+@gluon.jit
 def _adds_completed(dones, j):
     """A consumer warpgroup's report that its TMA adds up to step j - 1 have completed (its issuing
     thread waits for them, not just for their reads of shared memory)."""
@@ -316,10 +332,17 @@ def _grant_turn(it, m, rank, grants, sem_ptr, bh, n_m, CHAINS: gl.constexpr):
     """The producer: wait for step ``it``'s turn (query tile m, ``_rank``) and grant it to both
     consumers; returns its semaphore."""
     sem = (bh * n_m + m) * CHAINS + rank % CHAINS
-    _take_turn(sem_ptr, -1, sem, rank // CHAINS)
+    _grant(it, sem, rank // CHAINS, grants, sem_ptr)
+    return sem
+
+
+@gluon.jit
+def _grant(it, sem, turn, grants, sem_ptr):
+    """The producer: wait until semaphore ``sem`` is ``turn``, then grant step ``it`` to both
+    consumers."""
+    _take_turn(sem_ptr, -1, sem, turn)
     for wg in gl.static_range(2):
         mbarrier.arrive(grants.index(wg * TURN_SLOTS + it % TURN_SLOTS))
-    return sem
 
 
 @gluon.jit
@@ -882,16 +905,7 @@ def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     for i in gl.static_range(DS_BUFS):
         mbarrier.init(ds_ready.index(i), count=2)
         mbarrier.init(ds_empty.index(i), count=3 if DBIAS else 2)  # DBIAS: the producer's store read it too
-    if CHAINS > 0:  # the deterministic mode's turns (see TURN_SLOTS)
-        grants = gl.allocate_shared_memory(gl.int64, [2 * TURN_SLOTS, 1], mbarrier.MBarrierLayout())
-        dones = gl.allocate_shared_memory(gl.int64, [TURN_SLOTS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2 * TURN_SLOTS):
-            mbarrier.init(grants.index(i), count=1)
-        for i in gl.static_range(TURN_SLOTS):
-            mbarrier.init(dones.index(i), count=2)
-    else:  # never read
-        grants = ds_ready
-        dones = ds_ready
+    grants, dones = _turn_barriers(ds_ready, CHAINS)
     if DKV_RS:  # never read
         p_bufs = ds_bufs
     else:  # one P^T tile per warpgroup
@@ -964,22 +978,54 @@ def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
 # one CTA per 64 keys; each warpgroup computes S = Q K^T and dP = dO V^T for 32 of them (queries on
 # M, N = 32), both halves of P^T and dS^T meet in shared memory, and each warpgroup then owns 128
 # head-dim columns of dV += P^T dO, dK += dS^T Q and dQ = dS K (dQ in DQ_COLS-wide pieces).
+# Its deterministic mode (CHAINS > 0) has two orders of a query tile's dQ adds, in both of which a
+# CTA waits only for key tiles launched before it (which run or are done: no residency needed,
+# unlike the narrow kernel's ``_rank``):
+# * aligned: by key tile, first to last (the launch order), every CTA walking its query tiles last
+#   to first, so a head's CTAs visit them in the same order; those launched together trail each
+#   other by about a step a copy apart (a pipeline's fill, paid again where a head's CTAs start
+#   together: 0.75-0.77 of the atomic backward at 1k and 4k causal);
+# * DIAGONAL (causal): from the query tile's diagonal key tile down, each CTA walking up from its
+#   diagonal, a head's key tiles launched last first, so key tile n + CHAINS made its add CHAINS
+#   steps before key tile n and started before it (0.91-0.95 at 1k and 4k; at 16k 0.61, where a
+#   head no longer fits the SMs and the short-first launch leaves the long CTAs to the end).
+# The producer passes a turn on before it waits for the next, and the consumers report a step's
+# adds complete as the next step's dQ starts (waited for earlier in the step, under S and dP or the
+# softmax, the reductions' completion cost 0.81 of the atomic backward).
 WIDE_KEYS = gl.constexpr(64)  # keys per CTA
 WIDE_WG_KEYS = gl.constexpr(32)  # keys of S and dP per warpgroup
 
 
 @gluon.jit
+def _wide_step(it, n_m, m_lo, h, bh, kv_group, CHAINS: gl.constexpr, DIAGONAL: gl.constexpr):
+    """``_group_step`` of the wide kernel; in the deterministic mode (no GQA) the aligned order's
+    walk is last to first."""
+    if CHAINS > 0:
+        if DIAGONAL:
+            return m_lo + it, h, bh
+        return m_lo + n_m - 1 - it, h, bh
+    return _group_step(it, n_m, m_lo, h, bh, kv_group)
+
+
+@gluon.jit
 def _wide_producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty,
-                   do_ready, do_empty, seqlen, H, kv_group, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr):
-    b, h, bh, n0 = _this_program(seqlen, H, WIDE_KEYS)
+                   do_ready, do_empty, sem_ptr, grants, dones, seqlen, H, kv_group, BLOCK_M: gl.constexpr,
+                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, CHAINS: gl.constexpr, DIAGONAL: gl.constexpr):
+    b, h, bh, n0 = _this_program(seqlen, H, WIDE_KEYS, DIAGONAL)
     m_lo, _, m_hi = _query_tiles(n0, seqlen, BLOCK_M, WIDE_KEYS, CAUSAL)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, n0, h, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [b, n0, h, 0], kv_bar, v_smem)
     n_m = m_hi - m_lo
+    sem = -1  # deterministic mode: the semaphores of the last two steps
+    last_sem = -1
+    if CHAINS > 0:  # query tile m's semaphores: sems + m * CHAINS + copy
+        sems = bh * m_hi * CHAINS
+        if not DIAGONAL:  # one place in every query tile (computed once: in the loop 8 B spilled)
+            sems += (n0 // WIDE_KEYS) % CHAINS
+            turn = n0 // WIDE_KEYS // CHAINS
     for it in range(kv_group * n_m):
-        m, hq, _ = _group_step(it, n_m, m_lo, h, bh, kv_group)
+        m, hq, _ = _wide_step(it, n_m, m_lo, h, bh, kv_group, CHAINS, DIAGONAL)
         s = it % STAGES
         ph = ((it // STAGES) & 1) ^ 1  # a fresh mbarrier passes a wait on parity 1 at once
         mbarrier.wait(q_empty.index(s), ph)
@@ -988,13 +1034,27 @@ def _wide_producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_b
         mbarrier.wait(do_empty.index(s), ph)
         mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(do_desc, [b, m * BLOCK_M, hq, 0], do_ready.index(s), do_bufs.index(s))
+        if CHAINS > 0:  # the turn of the step before last passed on, then this step's
+            if it > 0:
+                _pass_turn(it - 1, last_sem, dones, sem_ptr)
+            last_sem = sem
+            sem = sems + m * CHAINS
+            if DIAGONAL:
+                sem += it % CHAINS
+                turn = it // CHAINS
+            _grant(it, sem, turn, grants, sem_ptr)
+    if CHAINS > 0:
+        if n_m > 0:  # the last two steps' turns
+            _pass_turn(n_m - 1, last_sem, dones, sem_ptr)
+            _pass_turn(n_m, sem, dones, sem_ptr)
 
 
 @gluon.jit
 def _wide_consumer(WG: gl.constexpr, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_delta_ptr, k_smem, v_smem, q_bufs,
                    do_bufs, pT_smem, dsT_smem, dq_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, pds_ready,
-                   pds_empty, seqlen, seqlen_pad, H, kv_group, qk_scale, sm_scale, BLOCK_M: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DQ_COLS: gl.constexpr, CAUSAL: gl.constexpr):
+                   pds_empty, grants, dones, seqlen, seqlen_pad, H, kv_group, qk_scale, sm_scale,
+                   BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DQ_COLS: gl.constexpr,
+                   CAUSAL: gl.constexpr, CHAINS: gl.constexpr, DIAGONAL: gl.constexpr):
     dtype: gl.constexpr = q_bufs.dtype
     COLS: gl.constexpr = HEAD_DIM // 2  # this warpgroup's head-dim columns of dK, dV, dQ
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -1005,7 +1065,7 @@ def _wide_consumer(WG: gl.constexpr, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_d
                                                         instr_shape=[16, DQ_COLS, 16])
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    b, h, bh, n0 = _this_program(seqlen, H, WIDE_KEYS)
+    b, h, bh, n0 = _this_program(seqlen, H, WIDE_KEYS, DIAGONAL)
     m_lo, m_mask_end, m_hi = _query_tiles(n0, seqlen, BLOCK_M, WIDE_KEYS, CAUSAL)
     keys = n0 + WG * WIDE_WG_KEYS + gl.arange(0, WIDE_WG_KEYS, layout=gl.SliceLayout(0, s_layout))
 
@@ -1018,12 +1078,19 @@ def _wide_consumer(WG: gl.constexpr, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_d
     dk = gl.zeros([WIDE_KEYS, COLS], gl.float32, kv_layout)
     dv = gl.zeros([WIDE_KEYS, COLS], gl.float32, kv_layout)
     n_m = m_hi - m_lo
+    rank = n0 // WIDE_KEYS  # deterministic mode: the place of its adds among a query tile's
+    acc_h = h
+    if CHAINS > 0:  # ... and its copy of dQ's accumulator
+        acc_h = h * CHAINS + rank % CHAINS
     for it in range(kv_group * n_m):
-        m, hq, bhq = _group_step(it, n_m, m_lo, h, bh, kv_group)
+        m, hq, bhq = _wide_step(it, n_m, m_lo, h, bh, kv_group, CHAINS, DIAGONAL)
         s = it % STAGES
         ph = (it // STAGES) & 1
         m0 = m * BLOCK_M
         rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
+        if DIAGONAL:  # the step (query tiles as tall as key tiles are wide, the walk from the diagonal)
+            rank = it
+            acc_h = h * CHAINS + rank % CHAINS
         # Row statistics straight from global memory (padded rows: -lse = -inf, -delta = 0); the
         # loads run under the S wgmma.
         stat_rows = bhq.to(gl.int64) * seqlen_pad + rows
@@ -1073,7 +1140,19 @@ def _wide_consumer(WG: gl.constexpr, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_d
             tma.store_wait(0)  # the previous reduction has read dq_smem
             dq_smem.reshape([BLOCK_M, DQ_COLS]).store(dq)
             fence_async_shared()
-            _tma_reduce_add(dq_desc, [b, m0, hq, WG * COLS + piece * DQ_COLS], dq_smem)
+            col = WG * COLS + piece * DQ_COLS
+            if CHAINS > 0:  # in its turn, into copy rank % CHAINS; a copy's first add is a store
+                if piece == 0:  # the last step's adds complete (see above), then this step's turn
+                    _adds_completed(dones, it)
+                    mbarrier.wait(grants.index(WG * TURN_SLOTS + it % TURN_SLOTS), (it // TURN_SLOTS) & 1)
+                if rank < CHAINS:
+                    tma.async_copy_shared_to_global(dq_desc, [b, m0, acc_h, col], dq_smem)
+                else:
+                    _tma_reduce_add(dq_desc, [b, m0, acc_h, col], dq_smem)
+            else:
+                _tma_reduce_add(dq_desc, [b, m0, hq, col], dq_smem)
+    if CHAINS > 0:
+        _adds_completed(dones, kv_group * n_m)
     tma.store_wait(0)
 
     # Epilogue: dV and dK * scale from registers, rows past the sequence left out (once per CTA).
@@ -1085,14 +1164,18 @@ def _wide_consumer(WG: gl.constexpr, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_d
     gl.store(dk_ptr + offs, (dk * sm_scale).to(dtype), mask=inside)
 
 
+# CHAINS > 0: the deterministic mode (no GQA), as the narrow kernel's (dQ copies, semaphores), in
+# the DIAGONAL order (causal) or the aligned one.
 @gluon.jit(do_not_specialize=["seqlen", "seqlen_pad", "H", "kv_group"])
 def attention_bwd_hopper_wide_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, dv_ptr, neg_lse_ptr,
-                                     neg_delta_ptr, seqlen, seqlen_pad, H, kv_group, qk_scale, sm_scale,
+                                     neg_delta_ptr, sem_ptr, seqlen, seqlen_pad, H, kv_group, qk_scale, sm_scale,
                                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DQ_COLS: gl.constexpr,
-                                     CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr):
+                                     CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr, CHAINS: gl.constexpr,
+                                     DIAGONAL: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]  # queries per step: the config's block_m
     gl.static_assert(BLOCK_M == 64)  # one m64 wgmma of S and dP per warpgroup
+    gl.static_assert(not DIAGONAL or (CAUSAL and CHAINS > 0 and BLOCK_M == WIDE_KEYS))
     t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WIDE_KEYS, BLOCK_M], dtype)
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
@@ -1112,16 +1195,18 @@ def attention_bwd_hopper_wide_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, d
     _init_rings(q_ready, q_empty, do_ready, do_empty, STAGES)
     mbarrier.init(pds_ready.index(0), count=2)
     mbarrier.init(pds_empty.index(0), count=2)
+    grants, dones = _turn_barriers(pds_ready, CHAINS)
 
     gl.warp_specialize([
         (_wide_consumer, (0, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_delta_ptr, k_smem, v_smem, q_bufs, do_bufs,
                           pT_smem, dsT_smem, dq_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, pds_ready,
-                          pds_empty, seqlen, seqlen_pad, H, kv_group, qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES,
-                          DQ_COLS, CAUSAL)),
+                          pds_empty, grants, dones, seqlen, seqlen_pad, H, kv_group, qk_scale, sm_scale, BLOCK_M,
+                          HEAD_DIM, STAGES, DQ_COLS, CAUSAL, CHAINS, DIAGONAL)),
         (_wide_consumer, (1, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_delta_ptr, k_smem, v_smem, q_bufs, do_bufs,
                           pT_smem, dsT_smem, dq_bufs, kv_bar, q_ready, q_empty, do_ready, do_empty, pds_ready,
-                          pds_empty, seqlen, seqlen_pad, H, kv_group, qk_scale, sm_scale, BLOCK_M, HEAD_DIM, STAGES,
-                          DQ_COLS, CAUSAL)),
+                          pds_empty, grants, dones, seqlen, seqlen_pad, H, kv_group, qk_scale, sm_scale, BLOCK_M,
+                          HEAD_DIM, STAGES, DQ_COLS, CAUSAL, CHAINS, DIAGONAL)),
         (_wide_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, q_ready, q_empty,
-                          do_ready, do_empty, seqlen, H, kv_group, BLOCK_M, STAGES, CAUSAL)),
+                          do_ready, do_empty, sem_ptr, grants, dones, seqlen, H, kv_group, BLOCK_M, STAGES, CAUSAL,
+                          CHAINS, DIAGONAL)),
     ], [4, 1], [CONSUMER_REGS, 24])

@@ -255,7 +255,7 @@ class HopperBwdConfig:
 
     def chains_for(self, causal: bool, seqlen: int) -> int:
         """The deterministic mode's dQ copies per head for a problem."""
-        if causal and self.long_causal_seqlen and seqlen >= self.long_causal_seqlen:
+        if self._long_causal(causal, seqlen):
             return self.long_causal_chains
         if self.diagonal_order(causal, seqlen):
             return self.diagonal_chains
@@ -263,8 +263,10 @@ class HopperBwdConfig:
 
     def diagonal_order(self, causal: bool, seqlen: int) -> bool:
         """Whether the wide kernel's deterministic mode takes its DIAGONAL order."""
-        return causal and self.diagonal_chains > 0 and not (self.long_causal_seqlen and
-                                                            seqlen >= self.long_causal_seqlen)
+        return causal and self.diagonal_chains > 0 and not self._long_causal(causal, seqlen)
+
+    def _long_causal(self, causal: bool, seqlen: int) -> bool:
+        return causal and self.long_causal_seqlen > 0 and seqlen >= self.long_causal_seqlen
 
 
 HOPPER_BWD_CONFIGS: dict[int, HopperBwdConfig] = {

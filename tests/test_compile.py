@@ -159,4 +159,4 @@ def test_hopper_fast_path_compiles_for_sm90_without_spills():
     # plain forward also persistent where its config runs short problems so (not causal); the
     # deterministic backward's three kernels at d=64/128, alone, with ALiBi, and under a causal
     # mask with a long problem's dQ copies (60 in all)
-    assert "292/292 kernel configs compile for sm_90 within shared memory and without spills" in proc.stdout, proc.stdout
+    assert "298/298 kernel configs compile for sm_90 within shared memory and without spills" in proc.stdout, proc.stdout

@@ -280,6 +280,10 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
             if causal and bwd_cfg.long_causal_seqlen:  # a long causal problem's copies
                 long_q = torch.empty(1, bwd_cfg.long_causal_seqlen, 4, head_dim, dtype=dtype)
                 deterministic.append(("long deterministic", check_inputs(long_q, long_q, long_q, mask="t")))
+            if bwd_cfg.diagonal_chains:  # the wide kernel's aligned order: more key tiles than SMs
+                long_q = torch.empty(1, (hopper.HOPPER_SMS + 1) * 64, 4, head_dim, dtype=dtype)
+                deterministic.append(("aligned deterministic",
+                                      check_inputs(long_q, long_q, long_q, mask="t" if causal else None)))
             for name, problem in deterministic:
                 outs = [torch.empty_like(problem.q) for _ in range(5)]
                 for kernel, grid, kwargs in hopper.bwd_launches(problem, outs[0], outs[1],

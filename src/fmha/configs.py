@@ -227,8 +227,8 @@ class HopperBwdConfig:
     long_causal_seqlen: int = 0
     long_causal_chains: int = 0
     deterministic_block_m: int = 0  # the deterministic mode's query tile (0: as in atomic mode)
-    # The wide kernel (d=256): under a causal mask below long_causal_seqlen, its DIAGONAL order
-    # (see hopper_bwd) with this many copies (0: the aligned order throughout)
+    # The wide kernel (d=256): while a head's key tiles fit the SMs, its DIAGONAL order (see
+    # hopper_bwd) with this many copies (0: the aligned order throughout)
     diagonal_chains: int = 0
     # An elementwise bias (without its gradient) on the fast path: one slot of [block_m, 64] bias
     # tiles per warpgroup beside the rings, in the feature query tile (its shared memory must fit).
@@ -255,18 +255,9 @@ class HopperBwdConfig:
 
     def chains_for(self, causal: bool, seqlen: int) -> int:
         """The deterministic mode's dQ copies per head for a problem."""
-        if self._long_causal(causal, seqlen):
+        if causal and self.long_causal_seqlen and seqlen >= self.long_causal_seqlen:
             return self.long_causal_chains
-        if self.diagonal_order(causal, seqlen):
-            return self.diagonal_chains
         return self.deterministic_chains
-
-    def diagonal_order(self, causal: bool, seqlen: int) -> bool:
-        """Whether the wide kernel's deterministic mode takes its DIAGONAL order."""
-        return causal and self.diagonal_chains > 0 and not self._long_causal(causal, seqlen)
-
-    def _long_causal(self, causal: bool, seqlen: int) -> bool:
-        return causal and self.long_causal_seqlen > 0 and seqlen >= self.long_causal_seqlen
 
 
 HOPPER_BWD_CONFIGS: dict[int, HopperBwdConfig] = {
@@ -292,8 +283,9 @@ HOPPER_BWD_CONFIGS: dict[int, HopperBwdConfig] = {
     # Deterministic, of atomic (H100, 1k / 4k / 16k, plain | causal): aligned order, two copies
     # 0.83 0.88 0.97 | 0.73 0.66 0.74, three 0.84-0.86 0.95 0.99 | 0.75 0.77 0.87 (8 B spilled),
     # four 0.84 0.975 0.97 | - 0.81 0.86; the causal DIAGONAL order, two copies 0.95 0.91 0.61,
-    # three 0.80 0.68 0.49. Shipped, two rounds: 0.84 0.94-0.95 0.95-0.98 | 0.93-0.94 0.89-0.91
-    # 0.90-0.91 (the diagonal order below 132 key tiles of 64, which fit an H100's or H200's SMs).
+    # three 0.80 0.68 0.49. Shipped (the diagonal order, with or without a mask, while a head's key
+    # tiles of 64 fit the SMs, else aligned with four copies), two rounds: 1.02-1.03 1.01-1.03
+    # 0.96-0.98 | 0.94-0.95 0.89-0.94 0.88-0.91.
     256: HopperBwdConfig(64, 2, 1, 240, 168, dq_cols=32, windows_and_alibi=False, deterministic_chains=4,
-                         long_causal_seqlen=132 * 64 + 1, long_causal_chains=4, diagonal_chains=2),
+                         diagonal_chains=2),
 }

@@ -193,7 +193,8 @@ def _deterministic_reason(inputs: AttentionInputs) -> str | None:
     """Why the deterministic mode cannot take the fast path, or None. Each query tile's dQ adds go
     in a fixed order of its key tiles: the narrow kernel's (``kernels/hopper_bwd._rank``) has a CTA
     wait for one launched after it, so a head's key tiles must all be resident at once, one CTA per
-    SM; the wide kernel's (head dim 256) only for ones launched before it."""
+    SM; the wide kernel's (head dim 256) too where they fit (``_diagonal_order``), else only for
+    ones launched before it."""
     from .kernels.hopper_bwd import BLOCK_N
 
     why = [
@@ -632,7 +633,28 @@ def _bwd_tensors(inputs: AttentionInputs, dout: torch.Tensor, out: torch.Tensor,
 def _chains(inputs: AttentionInputs, deterministic: bool) -> int:
     """The deterministic mode's dQ copies per head (0: atomic mode)."""
     cfg = HOPPER_BWD_CONFIGS[inputs.head_dim_q]
-    return cfg.chains_for(inputs.mask.is_causal, inputs.max_seqlen_q) if deterministic else 0
+    if not deterministic:
+        return 0
+    if _diagonal_order(inputs):
+        return cfg.diagonal_chains
+    return cfg.chains_for(inputs.mask.is_causal, inputs.max_seqlen_q)
+
+
+# The SMs of an H100 or H200: where the fast path's launches are built without a GPU (the compile
+# check), their SM-dependent choices are made for these.
+HOPPER_SMS = 132
+
+
+def _diagonal_order(inputs: AttentionInputs) -> bool:
+    """Whether the wide kernel's deterministic mode takes its DIAGONAL order (see
+    ``kernels/hopper_bwd``): where a head's key tiles fit the SMs."""
+    from .kernels.hopper_bwd import WIDE_KEYS
+
+    if not HOPPER_BWD_CONFIGS[inputs.head_dim_q].diagonal_chains:
+        return False
+    device = inputs.q.device
+    sms = _sm_count(_device_index(device)) if device.type == "cuda" else HOPPER_SMS
+    return cdiv(inputs.max_seqlen_q, WIDE_KEYS.value) <= sms
 
 
 def _bwd_block_m(inputs: AttentionInputs, deterministic: bool) -> int:
@@ -701,8 +723,7 @@ def _build_bwd_launches(inputs: AttentionInputs, tensors: tuple, deterministic: 
             neg_lse_ptr=neg_lse, neg_delta_ptr=neg_delta, sem_ptr=sems, seqlen=seqlen, seqlen_pad=seqlen_pad,
             H=nhead_k, kv_group=kv_group, qk_scale=inputs.scale * LOG2E, sm_scale=inputs.scale, HEAD_DIM=head_dim,
             STAGES=cfg.stages, DQ_COLS=cfg.dq_cols, CONSUMER_REGS=cfg.consumer_regs, CAUSAL=inputs.mask.is_causal,
-            CHAINS=chains, DIAGONAL=bool(chains) and cfg.diagonal_order(inputs.mask.is_causal, seqlen), num_warps=4,
-            maxnreg=cfg.maxnreg,
+            CHAINS=chains, DIAGONAL=bool(chains) and _diagonal_order(inputs), num_warps=4, maxnreg=cfg.maxnreg,
         )
         main = (attention_bwd_hopper_wide_kernel, (cdiv(seqlen, WIDE_KEYS.value) * batch * nhead_k,), wide)
     else:

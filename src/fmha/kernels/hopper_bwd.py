@@ -978,17 +978,18 @@ def attention_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
 # one CTA per 64 keys; each warpgroup computes S = Q K^T and dP = dO V^T for 32 of them (queries on
 # M, N = 32), both halves of P^T and dS^T meet in shared memory, and each warpgroup then owns 128
 # head-dim columns of dV += P^T dO, dK += dS^T Q and dQ = dS K (dQ in DQ_COLS-wide pieces).
-# Its deterministic mode (CHAINS > 0) has two orders of a query tile's dQ adds, in both of which a
-# CTA waits only for key tiles launched before it (which run or are done: no residency needed,
-# unlike the narrow kernel's ``_rank``):
+# Its deterministic mode (CHAINS > 0) has two orders of a query tile's dQ adds:
 # * aligned: by key tile, first to last (the launch order), every CTA walking its query tiles last
-#   to first, so a head's CTAs visit them in the same order; those launched together trail each
-#   other by about a step a copy apart (a pipeline's fill, paid again where a head's CTAs start
-#   together: 0.75-0.77 of the atomic backward at 1k and 4k causal);
-# * DIAGONAL (causal): from the query tile's diagonal key tile down, each CTA walking up from its
-#   diagonal, a head's key tiles launched last first, so key tile n + CHAINS made its add CHAINS
-#   steps before key tile n and started before it (0.91-0.95 at 1k and 4k; at 16k 0.61, where a
-#   head no longer fits the SMs and the short-first launch leaves the long CTAs to the end).
+#   to first, so a head's CTAs visit them in the same order and a CTA waits only for ones launched
+#   before it, which run or are done: any length runs. Those launched together trail each other
+#   by about a step a copy apart (a pipeline's fill, paid again where a head's CTAs start
+#   together: 0.75-0.77 of the atomic backward at 1k and 4k causal, 0.84 at 1k without a mask);
+# * DIAGONAL: from the query tile's diagonal key tile down (wrapping around to the last), each CTA
+#   walking from its diagonal up (and around), a head's key tiles launched last first, so key
+#   tile n + CHAINS made its add CHAINS steps before key tile n, and under a causal mask started
+#   before it (0.91-0.95 at 1k and 4k causal; at 16k 0.61, where a head no longer fits the SMs
+#   and the short-first launch leaves the long CTAs to the end). Without a mask the walk wraps, so
+#   a CTA may wait for one launched after it: a head's key tiles must fit the SMs, as in ``_rank``.
 # The producer passes a turn on before it waits for the next, and the consumers report a step's
 # adds complete as the next step's dQ starts (waited for earlier in the step, under S and dP or the
 # softmax, the reductions' completion cost 0.81 of the atomic backward).
@@ -997,14 +998,21 @@ WIDE_WG_KEYS = gl.constexpr(32)  # keys of S and dP per warpgroup
 
 
 @gluon.jit
-def _wide_step(it, n_m, m_lo, h, bh, kv_group, CHAINS: gl.constexpr, DIAGONAL: gl.constexpr):
+def _wide_step(it, n_m, m_lo, h, bh, kv_group, walk, CHAINS: gl.constexpr, DIAGONAL: gl.constexpr):
     """``_group_step`` of the wide kernel; in the deterministic mode (no GQA) the aligned order's
-    walk is last to first."""
+    walk is last to first, the diagonal one's query tile ``walk`` (see ``_walk_on``)."""
     if CHAINS > 0:
         if DIAGONAL:
-            return m_lo + it, h, bh
+            return walk, h, bh
         return m_lo + n_m - 1 - it, h, bh
     return _group_step(it, n_m, m_lo, h, bh, kv_group)
+
+
+@gluon.jit
+def _walk_on(m, m_hi):
+    """The diagonal order's query tile after m: up from the CTA's diagonal and, without a mask,
+    around from query tile 0 (carried from step to step: computed from the step, 52 B spilled)."""
+    return gl.where(m + 1 == m_hi, 0, m + 1)
 
 
 @gluon.jit
@@ -1024,8 +1032,10 @@ def _wide_producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_b
         if not DIAGONAL:  # one place in every query tile (computed once: in the loop 8 B spilled)
             sems += (n0 // WIDE_KEYS) % CHAINS
             turn = n0 // WIDE_KEYS // CHAINS
+    walk = n0 // WIDE_KEYS  # the diagonal order's query tile
     for it in range(kv_group * n_m):
-        m, hq, _ = _wide_step(it, n_m, m_lo, h, bh, kv_group, CHAINS, DIAGONAL)
+        m, hq, _ = _wide_step(it, n_m, m_lo, h, bh, kv_group, walk, CHAINS, DIAGONAL)
+        walk = _walk_on(m, m_hi)
         s = it % STAGES
         ph = ((it // STAGES) & 1) ^ 1  # a fresh mbarrier passes a wait on parity 1 at once
         mbarrier.wait(q_empty.index(s), ph)
@@ -1082,13 +1092,15 @@ def _wide_consumer(WG: gl.constexpr, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_d
     acc_h = h
     if CHAINS > 0:  # ... and its copy of dQ's accumulator
         acc_h = h * CHAINS + rank % CHAINS
+    walk = n0 // WIDE_KEYS  # the diagonal order's query tile
     for it in range(kv_group * n_m):
-        m, hq, bhq = _wide_step(it, n_m, m_lo, h, bh, kv_group, CHAINS, DIAGONAL)
+        m, hq, bhq = _wide_step(it, n_m, m_lo, h, bh, kv_group, walk, CHAINS, DIAGONAL)
+        walk = _walk_on(m, m_hi)
         s = it % STAGES
         ph = (it // STAGES) & 1
         m0 = m * BLOCK_M
         rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
-        if DIAGONAL:  # the step (query tiles as tall as key tiles are wide, the walk from the diagonal)
+        if DIAGONAL:  # the step (query tiles as tall as key tiles are wide, walked from the diagonal)
             rank = it
             acc_h = h * CHAINS + rank % CHAINS
         # Row statistics straight from global memory (padded rows: -lse = -inf, -delta = 0); the
@@ -1165,7 +1177,7 @@ def _wide_consumer(WG: gl.constexpr, dk_ptr, dv_ptr, dq_desc, neg_lse_ptr, neg_d
 
 
 # CHAINS > 0: the deterministic mode (no GQA), as the narrow kernel's (dQ copies, semaphores), in
-# the DIAGONAL order (causal) or the aligned one.
+# the DIAGONAL order or the aligned one.
 @gluon.jit(do_not_specialize=["seqlen", "seqlen_pad", "H", "kv_group"])
 def attention_bwd_hopper_wide_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, dv_ptr, neg_lse_ptr,
                                      neg_delta_ptr, sem_ptr, seqlen, seqlen_pad, H, kv_group, qk_scale, sm_scale,
@@ -1175,7 +1187,8 @@ def attention_bwd_hopper_wide_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, d
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]  # queries per step: the config's block_m
     gl.static_assert(BLOCK_M == 64)  # one m64 wgmma of S and dP per warpgroup
-    gl.static_assert(not DIAGONAL or (CAUSAL and CHAINS > 0 and BLOCK_M == WIDE_KEYS))
+    # DIAGONAL: a turn C steps back in the walk; with one copy the wrapped walk's waits close a cycle
+    gl.static_assert(not DIAGONAL or (CHAINS >= 2 and BLOCK_M == WIDE_KEYS))
     t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WIDE_KEYS, BLOCK_M], dtype)
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)

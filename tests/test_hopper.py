@@ -214,7 +214,8 @@ def test_the_deterministic_backward_wants_a_heads_key_tiles_resident_together(mo
 
 @pytest.mark.parametrize("mask", [None, "t"])
 def test_the_wide_deterministic_backward_runs_any_number_of_key_tiles(monkeypatch, mask):
-    """At head dim 256 a CTA waits only for key tiles launched before it: no residency limit."""
+    """At head dim 256, past the SMs, a CTA waits only for key tiles launched before it (the
+    aligned order): no residency limit."""
     _on_cuda(monkeypatch)
     _with_sms(monkeypatch, 132)
     longer = torch.empty(1, 4 * 132 * 64 + 1, 1, 256, dtype=torch.bfloat16)

@@ -200,6 +200,11 @@ WINDOW_ALIBI_CASES = [
     (1, 1090, 2, 128, "b:500,0", False, torch.bfloat16),
     (2, 900, 2, 128, "b:200,70", False, torch.float16),
     (1, 1500, 2, 256, "b:300,50", False, torch.bfloat16),
+    # short bands run persistent CTAs, several tiles each (more tiles than SMs); a wide one does not
+    (4, 4096, 8, 128, "b:1024,0", False, torch.bfloat16),
+    (2, 4096, 8, 64, "t:300,40", False, torch.bfloat16),
+    (2, 4096, 8, 256, "b:1024,0", False, torch.float16),
+    (1, 5000, 2, 128, "b:2500,0", False, torch.float16),
     (2, 1000, 4, 128, None, True, torch.bfloat16),
     (2, 1000, 4, 128, "t", True, torch.bfloat16),
     (1, 1100, 2, 256, "b:256,0", True, torch.float16),

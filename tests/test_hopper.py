@@ -135,7 +135,7 @@ def _with_sms(monkeypatch, sms):
 
 @pytest.mark.parametrize("seqlen, mask, portable", [
     (1024, None, False),  # persistent CTAs
-    (1024, "b:100,0", True),  # windows run one CTA per tile
+    (1024, "b:100,0", False),  # a short band: persistent CTAs too
     (4096, None, False), (2048, "b", True), (4096, "t", False)])
 def test_short_d64_forwards_take_the_faster_portable_kernels(monkeypatch, seqlen, mask, portable):
     _on_cuda(monkeypatch)
@@ -272,12 +272,29 @@ def test_forward_and_backward_pass_the_same_window_and_alibi_arguments():
     (64, 1000, dict(mask="t"), False),  # persistent under a causal mask it spills
     (256, 1000, {}, True),
     (256, 1000, dict(mask="t"), False),  # measured slower
-    (128, 1000, dict(mask="b:100,0"), False),  # windows and ALiBi spill persistent
-    (128, 1000, dict(alibi_slopes=torch.ones(4)), False),
+    (128, 1000, dict(alibi_slopes=torch.ones(4)), False),  # ALiBi spills persistent
+    # a window alone: persistent where its band is short, whatever the length
+    (128, 1000, dict(mask="b:100,0"), True),
+    (128, 16384, dict(mask="b:1024,0"), True),
+    (64, 16384, dict(mask="t:1024,700"), True),
+    (128, 16384, dict(mask="b:3000,0"), False),
+    (128, 16384, dict(mask="b:-1,8"), False),
+    (128, 2000, dict(mask="b:-1,8"), True),
+    (128, 16384, dict(mask="b:1024,0", alibi_slopes=torch.ones(4)), False),
 ])
 def test_short_forwards_run_persistent_ctas(head_dim, seqlen, kwargs, persistent):
     q = torch.empty(2, seqlen, 4, head_dim, dtype=torch.bfloat16)
     assert hopper.fwd_persistent(check_inputs(q, q, q, **kwargs)) is persistent
+
+
+def test_a_persistent_window_takes_its_consumer_registers():
+    q = torch.empty(1, 16384, 4, 128, dtype=torch.bfloat16)
+    cfg = hopper.HOPPER_FWD_CONFIGS[128]
+    for mask, persistent, regs in (("b:1024,0", True, cfg.persistent_window_regs),
+                                   ("b:3000,0", False, cfg.consumer_regs)):
+        inputs = check_inputs(q, q, q, mask=mask)
+        _, _, kwargs = hopper.fwd_launches(inputs, torch.empty_like(q), torch.empty(inputs.lse_shape))[-1]
+        assert (kwargs["PERSISTENT"], kwargs["CONSUMER_REGS"]) == (persistent, regs)
 
 
 def test_group_mode_forward_runs_one_cta_per_tile():

@@ -193,9 +193,16 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
     if HOPPER_FWD_CONFIGS[head_dim].causal_alibi or not causal:
         kernel, grid, kwargs = hopper.fwd_launches(with_alibi, out, lse)[-1]
         results.append(_compile(f"{prefix} fwd {alibi}", kernel, grid, kwargs))
-    if not causal:  # a sliding window alone
+    if not causal:  # a sliding window alone: persistent where its band is short, else one CTA per tile
         kernel, grid, kwargs = hopper.fwd_launches(check_inputs(q, k, v, mask="b:100,0"), out, lse)[-1]
-        results.append(_compile(f"{prefix} fwd window", kernel, grid, kwargs))
+        results.append(_compile(f"{prefix} fwd window{' persistent' if kwargs['PERSISTENT'] else ''}", kernel,
+                                grid, kwargs))
+        if kwargs["PERSISTENT"]:
+            q_long = torch.empty(1, 4096, 4, head_dim, dtype=dtype)
+            wide = check_inputs(q_long, q_long, q_long, mask="b:3000,0")
+            kernel, grid, kwargs = hopper.fwd_launches(wide, torch.empty_like(q_long),
+                                                       torch.empty(wide.lse_shape, dtype=torch.float32))[-1]
+            results.append(_compile(f"{prefix} fwd window", kernel, grid, kwargs))
     if HOPPER_FWD_CONFIGS[head_dim].alibi_linear and not causal:  # ALiBi without a window: linear off the diagonal
         kernel, grid, kwargs = hopper.fwd_launches(check_inputs(q, k, v, alibi_slopes=torch.ones(4)), out, lse)[-1]
         results.append(_compile(f"{prefix} fwd alibi", kernel, grid, kwargs))

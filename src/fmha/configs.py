@@ -151,9 +151,13 @@ class HopperFwdConfig:
     # (d=64 spills 392 B, with dropout d=128 3996 B)
     alibi_linear: bool = False
     # Persistent CTAs (one per SM, running tiles in turn) up to these lengths, one CTA per tile
-    # above them (0: never); not for windows, ALiBi or group mode.
+    # above them (0: never); not for ALiBi or group mode.
     persistent_max_seqlen: int = 0
     persistent_max_seqlen_causal: int = 0
+    # A sliding window alone runs persistent CTAs where its band (the keys one query tile sees) is
+    # at most ``persistent_max_seqlen`` keys, whatever the length, with consumers of this many
+    # registers (0: one CTA per tile; two consumers leave the producer warp 504 - 2 * them).
+    persistent_window_regs: int = 0
     # Persistent CTAs load a tile's Q during the tile before, into a second Q buffer (2), where
     # shared memory holds it (d=256 does not: 1, loaded as the tile starts).
     persistent_q_bufs: int = 1
@@ -187,17 +191,20 @@ HOPPER_FWD_CONFIGS: dict[int, HopperFwdConfig] = {
     # In group mode with a window three consumers spill 368 B (one consumer's edge loop, 43 LDL a
     # step; which one follows the partition order): two consumers there.
     64: HopperFwdConfig(128, 3, 3, 160, 128, min_seqlen=2048, min_seqlen_causal=4096, causal_alibi=False,
-                        persistent_max_seqlen=2048, persistent_q_bufs=2, group_window_two_consumers=True),
+                        persistent_max_seqlen=2048, persistent_q_bufs=2, group_window_two_consumers=True,
+                        persistent_window_regs=160),
     # 623 TFLOP/s at s=16k (bf16). Persistent: 1k 1.24 (591 against 477), 4k 1.01, 16k 1.00; causal
     # 4k 0.91, 16k 0.88 (static turns balance causal tiles worse than the hardware's dispatch), and
     # at 1k 0.77 on an H100 (session 35, graph replay: 263 / 261 against 341 / 347; cuDNN 387 / 394),
     # though an earlier build measured 1.06 on the H200: causal runs one CTA per tile.
-    128: HopperFwdConfig(128, 2, 2, 240, 168, persistent_max_seqlen=2048,
+    # Persistent, a window's consumers of 240 registers spill 40 B (producer 24), of 224 none.
+    128: HopperFwdConfig(128, 2, 2, 240, 168, persistent_max_seqlen=2048, persistent_window_regs=224,
                          persistent_q_bufs=2, bias=True, bias_dropout_block_n=64, bias_dropout_stages=3,
                          alibi_linear=True),
     # 718 at s=16k. Persistent: 1k 1.09, 4k 0.98, 16k 0.97; causal 1k 0.86, 4k 0.93, 16k 0.86.
     # With dropout and a window 216 consumer registers spill 12 B, 224 none; with ALiBi too 56 B.
-    256: HopperFwdConfig(64, 2, 2, 240, 168, persistent_max_seqlen=2048, bias=True, dropout_consumer_regs=224,
+    256: HopperFwdConfig(64, 2, 2, 240, 168, persistent_max_seqlen=2048, persistent_window_regs=240, bias=True,
+                         dropout_consumer_regs=224,
                          dropout_alibi=False, alibi_linear=True),
 }
 

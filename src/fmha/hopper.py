@@ -336,14 +336,26 @@ def _dropout_args(inputs: AttentionInputs, philox: torch.Tensor | None, placehol
 
 def fwd_persistent(inputs: AttentionInputs) -> bool:
     """Whether the fast forward runs persistent CTAs (one per SM, each running query tiles in
-    turn) rather than one CTA per tile: for short sequences, where a CTA's fill and drain weigh
-    most (``persistent_max_seqlen*`` in the config). Not in group mode (most tiles of the longest
-    sequence's grid are empty there), nor with windows, ALiBi, a bias or dropout (persistent, windows
-    and ALiBi spill 16-128 B; the others were not measured so)."""
+    turn) rather than one CTA per tile: where a tile's keys are few, so its fill and drain weigh
+    most: short sequences (``persistent_max_seqlen*`` in the config), and a sliding window alone
+    whose band is as short (``persistent_window_regs``). Not in group mode (most tiles of the longest
+    sequence's grid are empty there), nor with ALiBi, a bias or dropout (persistent, ALiBi spills
+    16-128 B; the others were not measured so)."""
+    from .kernels.hopper_fwd import ROWS_PER_CONSUMER
+
     cfg = HOPPER_FWD_CONFIGS[inputs.head_dim_q]
-    limit = cfg.persistent_max_seqlen_causal if inputs.mask.is_causal else cfg.persistent_max_seqlen
     features = inputs.alibi_slopes is not None or inputs.bias is not None or inputs.dropout_p > 0
-    return not inputs.group and not inputs.mask.is_window and not features and inputs.max_seqlen_q <= limit
+    if inputs.group or features:
+        return False
+    keys = inputs.max_seqlen_q
+    if inputs.mask.is_window:
+        if not cfg.persistent_window_regs:
+            return False
+        left, right = inputs.mask.left, inputs.mask.right
+        if left >= 0 and right >= 0:  # the band of one query tile: at most left + rows + right keys
+            keys = min(keys, left + right + ROWS_PER_CONSUMER.value * cfg.consumers)
+    limit = cfg.persistent_max_seqlen_causal if inputs.mask.is_causal else cfg.persistent_max_seqlen
+    return keys <= limit
 
 
 def fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, philox: torch.Tensor | None = None):
@@ -523,6 +535,8 @@ def _build_fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.T
         consumers, consumer_regs, maxnreg = 2, 240, DROPOUT_MAXNREG
     else:
         consumers, consumer_regs, maxnreg = cfg.consumers, cfg.consumer_regs, cfg.maxnreg
+        if inputs.mask.is_window and fwd_persistent(inputs):
+            consumer_regs = cfg.persistent_window_regs
     if dropout and inputs.bias is not None:  # (see HopperFwdConfig.bias_dropout_block_n)
         block_n, stages = cfg.bias_dropout_block_n, cfg.bias_dropout_stages
     else:

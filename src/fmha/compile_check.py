@@ -7,8 +7,8 @@ kernel and the backward's kernels (both dQ modes), and the Hopper fast path's Gl
 (``--only hopper``), are specialized exactly as a real launch would
 (same launcher code, CPU tensors standing in), compiled by Triton for sm_90, and their PTX
 assembled by ``ptxas -v``. A compile failure, a register spill or shared memory over the sm_90
-limit is reported and fails the check (spills only without ``--allow-spills``; CI runs the
-largest shipped tiles that way, tests/test_compile.py).
+limit is reported and fails the check (spills only without ``--allow-spills``, and but for the
+ones ``ACCEPTED_SPILLS`` names; CI runs the largest shipped tiles that way, tests/test_compile.py).
 """
 
 from __future__ import annotations
@@ -36,6 +36,13 @@ from .inputs import check_inputs  # noqa: E402
 from .kernels.fwd import attention_fwd_kernel  # noqa: E402
 
 SM90_MAX_SHARED = 232448  # bytes of shared memory one block may use on Hopper
+
+# Spills kept because the kernel runs faster with them, by the end of a config's name: bytes at
+# most. The persistent window forward at d=128 spills 40 B with 240 consumer registers, all outside
+# its loops (values computed before the partitions split, stored 4 times and loaded 5 times a CTA);
+# with 224 it spills none but runs 292 us against 274 (H100, 16k, b:1024,0; benchmarks/NOTES.md,
+# session 42).
+ACCEPTED_SPILLS = {"d=128 [plain] fwd window persistent": 40}
 
 
 class _HopperCompileOnly:
@@ -69,7 +76,8 @@ class Result:
 
     @property
     def ok(self) -> bool:
-        return self.launches and self.spill_bytes == 0
+        accepted = next((b for end, b in ACCEPTED_SPILLS.items() if self.name.endswith(end)), 0)
+        return self.launches and self.spill_bytes <= accepted
 
 
 def ptxas_log(ptx: str) -> str:
@@ -346,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                     for res in checked:
                         _report(res)
     failed = [r for r in results if not (r.launches if args.allow_spills else r.ok)]
-    limits = "shared memory" if args.allow_spills else "shared memory and without spills"
+    limits = "shared memory" if args.allow_spills else "shared memory and without spills (but the accepted)"
     print(f"{len(results) - len(failed)}/{len(results)} kernel configs compile for sm_90 within {limits}")
     return 1 if failed else 0
 

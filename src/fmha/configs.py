@@ -197,8 +197,10 @@ HOPPER_FWD_CONFIGS: dict[int, HopperFwdConfig] = {
     # 4k 0.91, 16k 0.88 (static turns balance causal tiles worse than the hardware's dispatch), and
     # at 1k 0.77 on an H100 (session 35, graph replay: 263 / 261 against 341 / 347; cuDNN 387 / 394),
     # though an earlier build measured 1.06 on the H200: causal runs one CTA per tile.
-    # Persistent, a window's consumers of 240 registers spill 40 B (producer 24), of 224 none.
-    128: HopperFwdConfig(128, 2, 2, 240, 168, persistent_max_seqlen=2048, persistent_window_regs=224,
+    # Persistent, a window's consumers of 240 registers spill 40 B outside the loops (producer 24),
+    # of 224 none, but run 292 us against 274 (H100, 16k b:1024,0; per tile 292): 240, accepted by
+    # compile_check.ACCEPTED_SPILLS.
+    128: HopperFwdConfig(128, 2, 2, 240, 168, persistent_max_seqlen=2048, persistent_window_regs=240,
                          persistent_q_bufs=2, bias=True, bias_dropout_block_n=64, bias_dropout_stages=3,
                          alibi_linear=True),
     # 718 at s=16k. Persistent: 1k 1.09, 4k 0.98, 16k 0.97; causal 1k 0.86, 4k 0.93, 16k 0.86.

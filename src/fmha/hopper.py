@@ -527,6 +527,7 @@ def _build_fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.T
     lse_strides = (0, lse.stride(0)) if inputs.group else (lse.stride(0), lse.stride(1))
     cfg = HOPPER_FWD_CONFIGS[head_dim]
     dropout = inputs.dropout_p > 0
+    persistent = fwd_persistent(inputs)
     # (consumers, registers a consumer thread, kernel-wide maxnreg): see HopperFwdConfig's dropout
     # and group-window fields
     if dropout:
@@ -535,7 +536,7 @@ def _build_fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.T
         consumers, consumer_regs, maxnreg = 2, 240, DROPOUT_MAXNREG
     else:
         consumers, consumer_regs, maxnreg = cfg.consumers, cfg.consumer_regs, cfg.maxnreg
-        if inputs.mask.is_window and fwd_persistent(inputs):
+        if inputs.mask.is_window and persistent:
             consumer_regs = cfg.persistent_window_regs
     if dropout and inputs.bias is not None:  # (see HopperFwdConfig.bias_dropout_block_n)
         block_n, stages = cfg.bias_dropout_block_n, cfg.bias_dropout_stages
@@ -559,7 +560,6 @@ def _build_fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.T
     features = _window_and_alibi_args(inputs, lse)
     if features["ALIBI"] == 1 and not features["WINDOW"] and not dropout and cfg.alibi_linear:
         features["ALIBI"] = 3  # (see HopperFwdConfig.alibi_linear)
-    persistent = fwd_persistent(inputs)
     if persistent and q.device.type == "cuda":  # (compiling for sm_90a on a CPU: one tile per CTA)
         grid = (min(tiles, _sm_count(_device_index(q.device))),)
     else:

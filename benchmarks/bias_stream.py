@@ -17,11 +17,12 @@ import triton.language as tl
 import triton.testing
 
 HEADS, SEQLEN = 16, 16384
-# (rows, keys a box, stages, CTAs a SM, prefetch ahead[, span]); stages 3 of 128 x 128 is the forward's ring
-CASES = [(128, 128, 3, 1, 0), (128, 128, 3, 1, 2), (128, 128, 3, 1, 4), (128, 128, 3, 1, 8),
+# (rows, keys a box, stages, CTAs a SM, prefetch ahead, span); stages 3 of 128 x 128 is the forward's ring
+CASES = [(128, 128, 3, 1, 0, 1), (128, 128, 3, 1, 2, 1), (128, 128, 3, 1, 4, 1), (128, 128, 3, 1, 8, 1),
          (128, 128, 3, 1, 4, 2), (128, 128, 3, 1, 8, 4),
-         (128, 128, 2, 1, 0), (128, 128, 4, 1, 0), (128, 128, 5, 1, 0), (128, 128, 3, 2, 0),
-         (64, 256, 3, 1, 0), (64, 256, 5, 1, 0), (128, 256, 3, 1, 0), (128, 64, 5, 1, 0), (128, 64, 9, 1, 0)]
+         (128, 128, 2, 1, 0, 1), (128, 128, 4, 1, 0, 1), (128, 128, 5, 1, 0, 1), (128, 128, 3, 2, 0, 1),
+         (64, 256, 3, 1, 0, 1), (64, 256, 5, 1, 0, 1), (128, 256, 3, 1, 0, 1), (128, 64, 5, 1, 0, 1),
+         (128, 64, 9, 1, 0, 1)]
 
 
 @triton.jit
@@ -60,8 +61,7 @@ def main() -> None:
     y = torch.empty_like(x)
     print(f"torch copy (read + write): {gb_per_s(2 * nbytes, lambda: y.copy_(x)):6.0f} GB/s")
     del y
-    for bm, bn, stages, ctas_per_sm, ahead, *span in CASES:
-        span = span[0] if span else 1
+    for bm, bn, stages, ctas_per_sm, ahead, span in CASES:
         launch = walk[(sms * ctas_per_sm,)]
         rate = gb_per_s(nbytes, lambda: launch(x, out, SEQLEN, HEADS, BM=bm, BN=bn, STAGES=stages, AHEAD=ahead,
                                                SPAN=span, num_warps=max(4, bm * bn // 4096)))

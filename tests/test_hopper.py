@@ -378,7 +378,7 @@ def test_bias_descriptor_reads_broadcast_dims_at_coordinate_zero():
 
 
 @pytest.mark.parametrize("head_dim, kwargs, mode", [
-    (128, {}, 3), (256, {}, 3),  # -slope * |i - j| computed linearly off the diagonal
+    (128, {}, 4), (256, {}, 4),  # -slope * |i - j| linearly off the diagonal, its column term by wgmma
     (64, {}, 1),  # (its column terms would spill)
     (128, dict(mask="b:100,0"), 1), (128, dict(dropout_p=0.1), 1),
     (128, dict(mask="t"), 2),  # slope * j

@@ -559,7 +559,7 @@ def _build_fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.T
         table = lse  # never read
     features = _window_and_alibi_args(inputs, lse)
     if features["ALIBI"] == 1 and not features["WINDOW"] and not dropout and cfg.alibi_linear:
-        features["ALIBI"] = 3  # (see HopperFwdConfig.alibi_linear)
+        features["ALIBI"] = 4 if cfg.alibi_mma else 3  # (see HopperFwdConfig.alibi_linear, alibi_mma)
     if persistent and q.device.type == "cuda":  # (compiling for sm_90a on a CPU: one tile per CTA)
         grid = (min(tiles, _sm_count(_device_index(q.device))),)
     else:

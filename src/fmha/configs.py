@@ -178,6 +178,9 @@ class HopperFwdConfig:
     # two consumers of 240 registers (the dropout forward's register split without dropout's
     # warpgroup) where ``consumers`` of ``consumer_regs`` spill there.
     group_window_two_consumers: bool = False
+    # P rounded for the PV wgmma two elements a cvt (32 PRMTs fewer a d=128 step); at d=64 the
+    # three consumers spill 304 B with it
+    packed_p: bool = False
 
 
 # head dim -> config (fp16 and bf16 alike); all compile for sm_90a without spills.
@@ -205,12 +208,12 @@ HOPPER_FWD_CONFIGS: dict[int, HopperFwdConfig] = {
     # compile_check.ACCEPTED_SPILLS.
     128: HopperFwdConfig(128, 2, 2, 240, 168, persistent_max_seqlen=2048, persistent_window_regs=240,
                          persistent_q_bufs=2, bias=True, bias_dropout_block_n=64, bias_dropout_stages=3,
-                         alibi_linear=True, alibi_mma=True),
+                         alibi_linear=True, alibi_mma=True, packed_p=True),
     # 718 at s=16k. Persistent: 1k 1.09, 4k 0.98, 16k 0.97; causal 1k 0.86, 4k 0.93, 16k 0.86.
     # With dropout and a window 216 consumer registers spill 12 B, 224 none; with ALiBi too 56 B.
     256: HopperFwdConfig(64, 2, 2, 240, 168, persistent_max_seqlen=2048, persistent_window_regs=240, bias=True,
                          dropout_consumer_regs=224,
-                         dropout_alibi=False, alibi_linear=True, alibi_mma=True),
+                         dropout_alibi=False, alibi_linear=True, alibi_mma=True, packed_p=True),
 }
 
 

@@ -333,6 +333,21 @@ def widened(x):
 
 
 @gluon.jit
+def _rounded_pairs(p, dtype: gl.constexpr, PACKED_P: gl.constexpr):
+    """p.to(dtype); with ``PACKED_P`` two elements a cvt. Rounded one at a time, ptxas packs each
+    pair reversed and swaps it back with a PRMT before the PV wgmma: 32 instructions a d=128 step."""
+    if not PACKED_P:
+        pairs = p.to(dtype)
+    elif dtype == gl.bfloat16:
+        pairs = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.bfloat16,
+                                          is_pure=True, pack=2)
+    else:
+        pairs = gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.float16,
+                                          is_pure=True, pack=2)
+    return pairs
+
+
+@gluon.jit
 def _drop_p(p_op, mask_bufs, mask_ready, WG: gl.constexpr, it, p_layout: gl.constexpr,
             STAGES: gl.constexpr, DROPOUT: gl.constexpr):
     """P as the PV wgmma's operand, the dropped elements of key tile ``it`` (ring position) zeroed:
@@ -387,7 +402,7 @@ def _consumer_step(WG: gl.constexpr, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs
                    alibi_cols, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                    DIAG: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
-                   BIAS: gl.constexpr, DROPOUT: gl.constexpr):
+                   BIAS: gl.constexpr, DROPOUT: gl.constexpr, PACKED_P: gl.constexpr):
     """Key tile j > first: S_j = Q K_j^T beside O += P_{j-1} V_{j-1}, then the softmax of S_j; key
     tile j is at ring position ring0 + j."""
     it = ring0 + j
@@ -414,7 +429,7 @@ def _consumer_step(WG: gl.constexpr, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs
     o_acc, p_op = warpgroup_mma_wait(0, deps=[o_acc, p_op])
     mbarrier.arrive(v_empty.index(sp))
     o_acc = o_acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p_op = gl.convert_layout(p.to(q_tile.dtype), p_layout)
+    p_op = gl.convert_layout(_rounded_pairs(p, q_tile.dtype, PACKED_P), p_layout)
     p_op = _drop_p(p_op, mask_bufs, mask_ready, WG, it, p_layout, STAGES, DROPOUT)
     return o_acc, p_op, m_i, l_i
 
@@ -425,14 +440,14 @@ def _consumer_steps(j0, j1, WG: gl.constexpr, ring0, q_tile, k_bufs, v_bufs, bia
                     mask_ready, alibi_cols, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
                     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                     DIAG: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
-                    BIAS: gl.constexpr, DROPOUT: gl.constexpr):
+                    BIAS: gl.constexpr, DROPOUT: gl.constexpr, PACKED_P: gl.constexpr):
     """``_consumer_step`` for key tiles j0 .. j1 - 1."""
     for j in range(j0, j1):
         o_acc, p_op, m_i, l_i = _consumer_step(WG, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty,
                                                v_ready, v_empty, o_acc, p_op, m_i, l_i, row0, rows, seqlen, qk_scale,
                                                left, right, slope, mask_bufs, mask_ready, alibi_cols, s_layout,
                                                o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, MASKED, DIAG, CAUSAL,
-                                               WINDOW, ALIBI, BIAS, DROPOUT)
+                                               WINDOW, ALIBI, BIAS, DROPOUT, PACKED_P)
     return o_acc, p_op, m_i, l_i
 
 
@@ -442,7 +457,8 @@ def _consumer(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars
               lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, mask_bufs,
               mask_ready, alibi_cols, drop_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
-              GROUP: gl.constexpr, PERSISTENT: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr):
+              GROUP: gl.constexpr, PERSISTENT: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr,
+              PACKED_P: gl.constexpr):
     if PERSISTENT:
         pid = gl.program_id(0)
         grid = gl.num_programs(0)
@@ -463,7 +479,7 @@ def _consumer(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars
                                 table_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b, lse_stride_h,
                                 qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, mask_bufs, mask_ready,
                                 alibi_cols, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI,
-                                GROUP, PERSISTENT, BIAS, DROPOUT)
+                                GROUP, PERSISTENT, BIAS, DROPOUT, PACKED_P)
         if Q_BUFS == 2:  # the last O store has read its buffer before the CTA ends
             tma.store_wait(0)
     else:  # one tile per CTA
@@ -471,7 +487,7 @@ def _consumer(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars
                       k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen,
                       H, tiles, stride_os, stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr,
                       stride_ab, stride_ah, mask_bufs, mask_ready, alibi_cols, drop_scale, BLOCK_M, BLOCK_N,
-                      HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)
+                      HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT, PACKED_P)
 
 
 @gluon.jit
@@ -496,7 +512,7 @@ def _consume_tile(WG: gl.constexpr, t, pos, done, q_desc, o_desc, out_ptr, lse_p
                   mask_bufs, mask_ready, alibi_cols, drop_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                   ALIBI: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr, BIAS: gl.constexpr,
-                  DROPOUT: gl.constexpr):
+                  DROPOUT: gl.constexpr, PACKED_P: gl.constexpr):
     """Tile t, the CTA's tile number ``done``, its key tiles from ring position ``pos``; returns
     the position after them."""
     b, h, m0 = _tile(t, seqlen, H, tiles, table_ptr, BLOCK_M, CAUSAL, PERSISTENT, GROUP)
@@ -506,7 +522,7 @@ def _consume_tile(WG: gl.constexpr, t, pos, done, q_desc, o_desc, out_ptr, lse_p
                              k_empty, v_ready, v_empty, pos, done, b, h, m0, bd, row_base, seqlen_b, stride_os,
                              stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab,
                              stride_ah, mask_bufs, mask_ready, alibi_cols, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, CAUSAL, WINDOW, ALIBI, GROUP, BIAS, DROPOUT)
+                             STAGES, CAUSAL, WINDOW, ALIBI, GROUP, BIAS, DROPOUT, PACKED_P)
     return pos
 
 
@@ -516,7 +532,8 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
                    stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
                    mask_bufs, mask_ready, alibi_cols, drop_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                   ALIBI: gl.constexpr, GROUP: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr):
+                   ALIBI: gl.constexpr, GROUP: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr,
+                   PACKED_P: gl.constexpr):
     """Warpgroup WG's 64 query rows of one tile; rows, keys and seqlen are the sequence's. Its first
     key tile is at ring position ``pos``, and ``done`` tiles came before it; returns the position
     after its last key tile."""
@@ -563,7 +580,7 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
     p, m_i, l_i, alpha = _softmax_update(qk, bias, m_i, l_i, first * BLOCK_N, row0, rows, seqlen, qk_scale, left,
                                          right, slope, s_layout, BLOCK_N, True, True, CAUSAL, WINDOW, ALIBI, BIAS,
                                          not (WINDOW or ALIBI > 0 or BIAS or DROPOUT))
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    p_op = gl.convert_layout(_rounded_pairs(p, dtype, PACKED_P), p_layout)
     p_op = _drop_p(p_op, mask_bufs, mask_ready, WG, pos, p_layout, STAGES, DROPOUT)
     o_acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
@@ -580,24 +597,27 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
         o_acc, p_op, m_i, l_i = _consumer_steps(
             first + 1, lo, WG, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, o_acc,
             p_op, m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready, alibi_cols,
-            s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, True, False, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT)
+            s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, True, False, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT,
+            PACKED_P)
     o_acc, p_op, m_i, l_i = _consumer_steps(
         lo, diag_lo, WG, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, o_acc, p_op,
         m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready, alibi_cols, s_layout,
-        o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, False, False, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT)
+        o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, False, False, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT, PACKED_P)
     if ALIBI >= 3:
         o_acc, p_op, m_i, l_i = _consumer_steps(
             diag_lo, diag_hi, WG, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, o_acc,
             p_op, m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready, alibi_cols,
-            s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, False, True, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT)
+            s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, False, True, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT,
+            PACKED_P)
         o_acc, p_op, m_i, l_i = _consumer_steps(
             diag_hi, hi, WG, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, o_acc,
             p_op, m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready, alibi_cols,
-            s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, False, False, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT)
+            s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, False, False, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT,
+            PACKED_P)
     o_acc, p_op, m_i, l_i = _consumer_steps(
         hi, end, WG, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, o_acc, p_op,
         m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready, alibi_cols, s_layout,
-        o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, True, False, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT)
+        o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, True, False, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT, PACKED_P)
 
     jl = ring0 + end - 1
     sl = jl % STAGES
@@ -692,6 +712,7 @@ def _drop_key_tile(u, m0, kv0, key_lo, key_hi, base_lo, base_hi, threshold, mask
 # BIAS: an elementwise bias through ``bias_desc`` over ``[B or 1, H or 1, S, S]`` (coordinates b *
 # bias_step_b, h * bias_step_h: 0 for a broadcast dim), else ``bias_desc`` stands in as k_desc.
 # Q_BUFS: Q buffers a consumer, 2 (persistent, batch mode) to load a tile's Q during the tile before.
+# PACKED_P: P rounded to the PV operand two elements a cvt (``HopperFwdConfig.packed_p``).
 @gluon.jit(do_not_specialize=["seqlen", "H", "kv_group", "tiles", "left", "right", "stride_ab", "stride_ah",
                               "stride_os", "stride_oh", "lse_stride_b", "lse_stride_h", "bias_step_b", "bias_step_h",
                               "threshold"])
@@ -702,7 +723,7 @@ def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, out_p
                                 STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, Q_BUFS: gl.constexpr,
                                 CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                                 ALIBI: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr, BIAS: gl.constexpr,
-                                DROPOUT: gl.constexpr):
+                                DROPOUT: gl.constexpr, PACKED_P: gl.constexpr):
     gl.static_assert(NUM_CONSUMERS == 2 or (NUM_CONSUMERS == 3 and not DROPOUT))
     gl.static_assert(Q_BUFS == 1 or (Q_BUFS == 2 and PERSISTENT and not GROUP))
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * NUM_CONSUMERS
@@ -759,12 +780,12 @@ def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, out_p
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
                           lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
                           mask_bufs, mask_ready, alibi_cols, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
+                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT, PACKED_P)),
             (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
                           lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
                           mask_bufs, mask_ready, alibi_cols, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
+                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT, PACKED_P)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     elif NUM_CONSUMERS == 2:
         gl.warp_specialize([
@@ -772,12 +793,12 @@ def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, out_p
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
                           lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
                           mask_bufs, mask_ready, alibi_cols, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
+                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT, PACKED_P)),
             (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
                           lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
                           mask_bufs, mask_ready, alibi_cols, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
+                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT, PACKED_P)),
             (_producer, (k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
                          seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right,
                          BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT, BIAS)),
@@ -788,17 +809,17 @@ def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, out_p
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
                           lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
                           mask_bufs, mask_ready, alibi_cols, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
+                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT, PACKED_P)),
             (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
                           lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
                           mask_bufs, mask_ready, alibi_cols, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
+                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT, PACKED_P)),
             (_consumer, (2, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
                           lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
                           mask_bufs, mask_ready, alibi_cols, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
+                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT, PACKED_P)),
             (_producer, (k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
                          seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right,
                          BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT, BIAS)),

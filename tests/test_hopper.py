@@ -391,6 +391,15 @@ def test_forward_alibi_mode(head_dim, kwargs, mode):
     assert fwd["ALIBI"] == mode
 
 
+@pytest.mark.parametrize("head_dim, packed", [(64, False), (128, True), (256, True)])
+def test_forward_rounds_p_in_pairs_where_configured(head_dim, packed):
+    """P is rounded two elements a cvt at d=128/256; at d=64 that spills (HopperFwdConfig.packed_p)."""
+    q = torch.empty(1, 4096, 4, head_dim, dtype=torch.bfloat16)
+    inputs = check_inputs(q, q, q)
+    _, _, fwd = hopper.fwd_launches(inputs, torch.empty_like(q), torch.empty(inputs.lse_shape))[-1]
+    assert fwd["PACKED_P"] is packed
+
+
 def test_group_mode_forward_with_a_bias_is_left_to_the_portable_kernel():
     packed = torch.empty(100, 4, 128, dtype=torch.bfloat16)
     starts = torch.tensor([0, 40, 100], dtype=torch.int32)

@@ -378,7 +378,7 @@ def test_bias_descriptor_reads_broadcast_dims_at_coordinate_zero():
 
 
 @pytest.mark.parametrize("head_dim, kwargs, mode", [
-    (128, {}, 3), (256, {}, 3),  # -slope * |i - j| computed linearly off the diagonal
+    (128, {}, 4), (256, {}, 4),  # -slope * |i - j| linearly off the diagonal, its column term by wgmma
     (64, {}, 1),  # (its column terms would spill)
     (128, dict(mask="b:100,0"), 1), (128, dict(dropout_p=0.1), 1),
     (128, dict(mask="t"), 2),  # slope * j
@@ -389,6 +389,15 @@ def test_forward_alibi_mode(head_dim, kwargs, mode):
     _, _, fwd = hopper.fwd_launches(inputs, torch.empty_like(q), torch.empty(inputs.lse_shape),
                                     torch.zeros(2, dtype=torch.int64))[-1]
     assert fwd["ALIBI"] == mode
+
+
+@pytest.mark.parametrize("head_dim, packed", [(64, False), (128, True), (256, True)])
+def test_forward_rounds_p_in_pairs_where_configured(head_dim, packed):
+    """P is rounded two elements a cvt at d=128/256; at d=64 that spills (HopperFwdConfig.packed_p)."""
+    q = torch.empty(1, 4096, 4, head_dim, dtype=torch.bfloat16)
+    inputs = check_inputs(q, q, q)
+    _, _, fwd = hopper.fwd_launches(inputs, torch.empty_like(q), torch.empty(inputs.lse_shape))[-1]
+    assert fwd["PACKED_P"] is packed
 
 
 def test_group_mode_forward_with_a_bias_is_left_to_the_portable_kernel():

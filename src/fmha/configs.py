@@ -150,6 +150,9 @@ class HopperFwdConfig:
     # a row term in m, off the diagonal (its tiles apart): the column terms' registers must fit
     # (d=64 spills 392 B, with dropout d=128 3996 B)
     alibi_linear: bool = False
+    # ... with the column term added to S by the tensor cores (a k16 wgmma of the slope in three 16-bit
+    # pieces against each key's column in its tile), so the softmax does no per-score ALiBi work
+    alibi_mma: bool = False
     # Persistent CTAs (one per SM, running tiles in turn) up to these lengths, one CTA per tile
     # above them (0: never); not for ALiBi or group mode.
     persistent_max_seqlen: int = 0
@@ -175,6 +178,9 @@ class HopperFwdConfig:
     # two consumers of 240 registers (the dropout forward's register split without dropout's
     # warpgroup) where ``consumers`` of ``consumer_regs`` spill there.
     group_window_two_consumers: bool = False
+    # P rounded for the PV wgmma two elements a cvt (32 PRMTs fewer a d=128 step); at d=64 the
+    # three consumers spill 304 B with it
+    packed_p: bool = False
 
 
 # head dim -> config (fp16 and bf16 alike); all compile for sm_90a without spills.
@@ -202,12 +208,12 @@ HOPPER_FWD_CONFIGS: dict[int, HopperFwdConfig] = {
     # compile_check.ACCEPTED_SPILLS.
     128: HopperFwdConfig(128, 2, 2, 240, 168, persistent_max_seqlen=2048, persistent_window_regs=240,
                          persistent_q_bufs=2, bias=True, bias_dropout_block_n=64, bias_dropout_stages=3,
-                         alibi_linear=True),
+                         alibi_linear=True, alibi_mma=True, packed_p=True),
     # 718 at s=16k. Persistent: 1k 1.09, 4k 0.98, 16k 0.97; causal 1k 0.86, 4k 0.93, 16k 0.86.
     # With dropout and a window 216 consumer registers spill 12 B, 224 none; with ALiBi too 56 B.
     256: HopperFwdConfig(64, 2, 2, 240, 168, persistent_max_seqlen=2048, persistent_window_regs=240, bias=True,
                          dropout_consumer_regs=224,
-                         dropout_alibi=False, alibi_linear=True),
+                         dropout_alibi=False, alibi_linear=True, alibi_mma=True, packed_p=True),
 }
 
 

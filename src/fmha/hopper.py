@@ -559,7 +559,7 @@ def _build_fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.T
         table = lse  # never read
     features = _window_and_alibi_args(inputs, lse)
     if features["ALIBI"] == 1 and not features["WINDOW"] and not dropout and cfg.alibi_linear:
-        features["ALIBI"] = 3  # (see HopperFwdConfig.alibi_linear)
+        features["ALIBI"] = 4 if cfg.alibi_mma else 3  # (see HopperFwdConfig.alibi_linear, alibi_mma)
     if persistent and q.device.type == "cuda":  # (compiling for sm_90a on a CPU: one tile per CTA)
         grid = (min(tiles, _sm_count(_device_index(q.device))),)
     else:
@@ -573,7 +573,7 @@ def _build_fwd_launches(inputs: AttentionInputs, out: torch.Tensor, lse: torch.T
         stride_os=out.stride(1), stride_oh=out.stride(2), lse_stride_b=lse_strides[0], lse_stride_h=lse_strides[1],
         BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=stages, NUM_CONSUMERS=consumers,
         Q_BUFS=cfg.persistent_q_bufs if persistent else 1,
-        CONSUMER_REGS=consumer_regs,
+        CONSUMER_REGS=consumer_regs, PACKED_P=cfg.packed_p,
         CAUSAL=inputs.mask.is_causal, GROUP=inputs.group, PERSISTENT=persistent, num_warps=4,
         maxnreg=maxnreg, **features, **_dropout_args(inputs, philox, lse),
     )

@@ -244,16 +244,20 @@ def _softmax_update(qk, bias, m_i, l_i, kv0, row0, rows, seqlen, qk_scale, left,
     """Online softmax of one tile of raw q.k (rows ``row0``..). m is in log2 units of the scaled
     scores, so p = exp2(qk * qk_scale - m) is one FMA and one ex2 per element (the row maximum by
     ``_row_max`` under ``ROW_TREE``). ALiBi (``slope`` in log2 units) adds -slope * |i - j|
-    (ALIBI 1, or 3: linear in j off the diagonal) or, under a causal mask, slope * j (ALIBI 2); a
-    bias tile (``BIAS``) adds itself. ``DIAG``: the tile may straddle the diagonal (masked tiles
-    may too)."""
+    (ALIBI 1, or 3: linear in j off the diagonal; 4: as 3 with the column term already in qk) or,
+    under a causal mask, slope * j (ALIBI 2); a bias tile (``BIAS``) adds itself. ``DIAG``: the
+    tile may straddle the diagonal (masked tiles may too)."""
     tile_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     cols = kv0 + tile_cols
     # Without ALiBi the scale stays in the exponent's FMA; with it the scores are scaled first.
     scores = qk
     scale = qk_scale
-    ALIBI_LINEAR: gl.constexpr = ALIBI == 3 and not (MASKED or DIAG)
-    if ALIBI_LINEAR:
+    ALIBI_LINEAR: gl.constexpr = (ALIBI == 3 or ALIBI == 4) and not (MASKED or DIAG)
+    if ALIBI_LINEAR and ALIBI == 4:  # the column term is in qk already (see _alibi_slope_operand)
+        above = kv0 >= row0 + ROWS_PER_CONSUMER - 1
+        signed = slope * (1.0 - 2.0 * above.to(gl.float32))
+        row_shift = signed * (kv0 - rows).to(gl.float32)
+    elif ALIBI_LINEAR:
         # Off the diagonal |i - j| is linear: slope * (j - kv0) joins the scale's FMA and the
         # row's term shifts m, so only tiles on the diagonal pay a per-element distance (its
         # int-to-float conversions share the ex2's quarter-rate pipe).
@@ -262,7 +266,7 @@ def _softmax_update(qk, bias, m_i, l_i, kv0, row0, rows, seqlen, qk_scale, left,
         scores = qk * qk_scale + (signed * tile_cols.to(gl.float32))[None, :]
         row_shift = signed * (kv0 - rows).to(gl.float32)
         scale = 1.0
-    elif ALIBI == 1 or ALIBI == 3:
+    elif ALIBI == 1 or ALIBI >= 3:
         scores = qk * qk_scale - slope * gl.abs(rows[:, None] - cols[None, :]).to(gl.float32)
         scale = 1.0
     elif ALIBI == 2:  # one term per column
@@ -288,7 +292,7 @@ def _softmax_update(qk, bias, m_i, l_i, kv0, row0, rows, seqlen, qk_scale, left,
     else:
         row_max = gl.max(scores, 1)
     if ALIBI_LINEAR:
-        m_new = gl.maximum(m_i, row_max + row_shift)
+        m_new = gl.maximum(m_i, row_max * scale + row_shift)
     else:
         m_new = gl.maximum(m_i, row_max * scale)
     # Without a window every row sees key 0 in the first tile: m is finite from then on, and a
@@ -299,7 +303,7 @@ def _softmax_update(qk, bias, m_i, l_i, kv0, row0, rows, seqlen, qk_scale, left,
         m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)
     if ALIBI_LINEAR:
-        p = gl.exp2(scores - (m_use - row_shift)[:, None])
+        p = gl.exp2(scores * scale - (m_use - row_shift)[:, None])
     else:
         p = gl.exp2(scores * scale - m_use[:, None])
     l_new = l_i * alpha + gl.sum(p, 1)
@@ -329,6 +333,21 @@ def widened(x):
 
 
 @gluon.jit
+def _rounded_pairs(p, dtype: gl.constexpr, PACKED_P: gl.constexpr):
+    """p.to(dtype); with ``PACKED_P`` two elements a cvt. Rounded one at a time, ptxas packs each
+    pair reversed and swaps it back with a PRMT before the PV wgmma: 32 instructions a d=128 step."""
+    if not PACKED_P:
+        pairs = p.to(dtype)
+    elif dtype == gl.bfloat16:
+        pairs = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.bfloat16,
+                                          is_pure=True, pack=2)
+    else:
+        pairs = gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.float16,
+                                          is_pure=True, pack=2)
+    return pairs
+
+
+@gluon.jit
 def _drop_p(p_op, mask_bufs, mask_ready, WG: gl.constexpr, it, p_layout: gl.constexpr,
             STAGES: gl.constexpr, DROPOUT: gl.constexpr):
     """P as the PV wgmma's operand, the dropped elements of key tile ``it`` (ring position) zeroed:
@@ -344,13 +363,46 @@ def _drop_p(p_op, mask_bufs, mask_ready, WG: gl.constexpr, it, p_layout: gl.cons
     return p_op
 
 
+ALIBI_PIECES = gl.constexpr(16)  # the k of the ALiBi wgmma (its least): three slope pieces, then zeros
+
+
+@gluon.jit
+def _write_alibi_columns(cols_smem, BLOCK_N: gl.constexpr):
+    """ALIBI 4: the B operand of the ALiBi wgmma, ``[BLOCK_N, ALIBI_PIECES]`` bf16: each key's column
+    in its tile (0 .. BLOCK_N - 1, exact) against the three slope pieces, zeros after."""
+    layout: gl.constexpr = gl.BlockedLayout([1, ALIBI_PIECES], [32, 1], [4, 1], [1, 0])
+    col = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))[:, None]
+    piece = gl.arange(0, ALIBI_PIECES, layout=gl.SliceLayout(0, layout))[None, :]
+    cols_smem.store(gl.where(piece < 3, col, 0).to(cols_smem.dtype))
+    fence_async_shared()
+
+
+@gluon.jit
+def _alibi_slope_operand(slope, qk_scale, above, s_layout: gl.constexpr):
+    """ALIBI 4: the A operand of the ALiBi wgmma, ``[64, ALIBI_PIECES]``: the raw scores' column
+    coefficient ``slope / qk_scale`` (negated above the diagonal) as three bf16 pieces whose sum is
+    it exactly (24 bits, an f32's), so that ``S += A B`` adds ``coefficient * column`` in the
+    accumulator and the softmax needs no per-score ALiBi work. bf16 whatever q's dtype: f32's range."""
+    dtype: gl.constexpr = gl.bfloat16
+    layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    a = slope / qk_scale
+    hi = a.to(dtype)
+    rest = a - hi.to(gl.float32)
+    mid = rest.to(dtype)
+    lo = (rest - mid.to(gl.float32)).to(dtype)
+    piece = gl.arange(0, ALIBI_PIECES, layout=gl.SliceLayout(0, layout))[None, :]
+    zero = gl.zeros([ROWS_PER_CONSUMER, ALIBI_PIECES], dtype, layout)
+    x = gl.where(piece == 0, hi, gl.where(piece == 1, mid, gl.where(piece == 2, lo, zero)))
+    return gl.where(above, -x, x)
+
+
 @gluon.jit
 def _consumer_step(WG: gl.constexpr, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
                    o_acc, p_op, m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready,
-                   s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+                   alibi_cols, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                    DIAG: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
-                   BIAS: gl.constexpr, DROPOUT: gl.constexpr):
+                   BIAS: gl.constexpr, DROPOUT: gl.constexpr, PACKED_P: gl.constexpr):
     """Key tile j > first: S_j = Q K_j^T beside O += P_{j-1} V_{j-1}, then the softmax of S_j; key
     tile j is at ring position ring0 + j."""
     it = ring0 + j
@@ -360,6 +412,10 @@ def _consumer_step(WG: gl.constexpr, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs
     k_t = k_bufs.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
     qk = warpgroup_mma(q_tile, k_t, gl.zeros([ROWS_PER_CONSUMER, BLOCK_N], gl.float32, s_layout),
                        use_acc=False, is_async=True)
+    if ALIBI == 4 and not (MASKED or DIAG):
+        above = j * BLOCK_N >= row0 + ROWS_PER_CONSUMER - 1
+        qk = warpgroup_mma(_alibi_slope_operand(slope, qk_scale, above, s_layout),
+                           alibi_cols.index(WG).permute((1, 0)), qk, is_async=True)
     mbarrier.wait(v_ready.index(sp), ((it - 1) // STAGES) & 1)
     o_acc = warpgroup_mma(p_op, v_bufs.index(sp).reshape([BLOCK_N, HEAD_DIM]), o_acc, is_async=True)
 
@@ -373,7 +429,7 @@ def _consumer_step(WG: gl.constexpr, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs
     o_acc, p_op = warpgroup_mma_wait(0, deps=[o_acc, p_op])
     mbarrier.arrive(v_empty.index(sp))
     o_acc = o_acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p_op = gl.convert_layout(p.to(q_tile.dtype), p_layout)
+    p_op = gl.convert_layout(_rounded_pairs(p, q_tile.dtype, PACKED_P), p_layout)
     p_op = _drop_p(p_op, mask_bufs, mask_ready, WG, it, p_layout, STAGES, DROPOUT)
     return o_acc, p_op, m_i, l_i
 
@@ -381,17 +437,17 @@ def _consumer_step(WG: gl.constexpr, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs
 @gluon.jit
 def _consumer_steps(j0, j1, WG: gl.constexpr, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready,
                     v_empty, o_acc, p_op, m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs,
-                    mask_ready, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+                    mask_ready, alibi_cols, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
                     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                     DIAG: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
-                    BIAS: gl.constexpr, DROPOUT: gl.constexpr):
+                    BIAS: gl.constexpr, DROPOUT: gl.constexpr, PACKED_P: gl.constexpr):
     """``_consumer_step`` for key tiles j0 .. j1 - 1."""
     for j in range(j0, j1):
         o_acc, p_op, m_i, l_i = _consumer_step(WG, j, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty,
                                                v_ready, v_empty, o_acc, p_op, m_i, l_i, row0, rows, seqlen, qk_scale,
-                                               left, right, slope, mask_bufs, mask_ready, s_layout, o_layout,
-                                               p_layout, BLOCK_N, HEAD_DIM, STAGES, MASKED, DIAG, CAUSAL, WINDOW,
-                                               ALIBI, BIAS, DROPOUT)
+                                               left, right, slope, mask_bufs, mask_ready, alibi_cols, s_layout,
+                                               o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, MASKED, DIAG, CAUSAL,
+                                               WINDOW, ALIBI, BIAS, DROPOUT, PACKED_P)
     return o_acc, p_op, m_i, l_i
 
 
@@ -399,9 +455,10 @@ def _consumer_steps(j0, j1, WG: gl.constexpr, ring0, q_tile, k_bufs, v_bufs, bia
 def _consumer(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
               k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
               lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, mask_bufs,
-              mask_ready, drop_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              mask_ready, alibi_cols, drop_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ALIBI: gl.constexpr,
-              GROUP: gl.constexpr, PERSISTENT: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr):
+              GROUP: gl.constexpr, PERSISTENT: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr,
+              PACKED_P: gl.constexpr):
     if PERSISTENT:
         pid = gl.program_id(0)
         grid = gl.num_programs(0)
@@ -421,16 +478,16 @@ def _consumer(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars
                                 k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr,
                                 table_ptr, seqlen, H, tiles, stride_os, stride_oh, lse_stride_b, lse_stride_h,
                                 qk_scale, left, right, alibi_ptr, stride_ab, stride_ah, mask_bufs, mask_ready,
-                                drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI,
-                                GROUP, PERSISTENT, BIAS, DROPOUT)
+                                alibi_cols, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI,
+                                GROUP, PERSISTENT, BIAS, DROPOUT, PACKED_P)
         if Q_BUFS == 2:  # the last O store has read its buffer before the CTA ends
             tma.store_wait(0)
     else:  # one tile per CTA
         _consume_tile(WG, gl.program_id(0), gl.to_tensor(0), 0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars,
                       k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen,
                       H, tiles, stride_os, stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr,
-                      stride_ab, stride_ah, mask_bufs, mask_ready, drop_scale, BLOCK_M, BLOCK_N,
-                      HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)
+                      stride_ab, stride_ah, mask_bufs, mask_ready, alibi_cols, drop_scale, BLOCK_M, BLOCK_N,
+                      HEAD_DIM, STAGES, CAUSAL, WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT, PACKED_P)
 
 
 @gluon.jit
@@ -452,10 +509,10 @@ def _prefetch_q(WG: gl.constexpr, t, slot, q_desc, q_bufs, q_bars, table_ptr, se
 def _consume_tile(WG: gl.constexpr, t, pos, done, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs,
                   bias_bufs, k_ready, k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os,
                   stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                  mask_bufs, mask_ready, drop_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  mask_bufs, mask_ready, alibi_cols, drop_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                   ALIBI: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr, BIAS: gl.constexpr,
-                  DROPOUT: gl.constexpr):
+                  DROPOUT: gl.constexpr, PACKED_P: gl.constexpr):
     """Tile t, the CTA's tile number ``done``, its key tiles from ring position ``pos``; returns
     the position after them."""
     b, h, m0 = _tile(t, seqlen, H, tiles, table_ptr, BLOCK_M, CAUSAL, PERSISTENT, GROUP)
@@ -464,8 +521,8 @@ def _consume_tile(WG: gl.constexpr, t, pos, done, q_desc, o_desc, out_ptr, lse_p
         pos = _consumer_tile(WG, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                              k_empty, v_ready, v_empty, pos, done, b, h, m0, bd, row_base, seqlen_b, stride_os,
                              stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab,
-                             stride_ah, mask_bufs, mask_ready, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, CAUSAL, WINDOW, ALIBI, GROUP, BIAS, DROPOUT)
+                             stride_ah, mask_bufs, mask_ready, alibi_cols, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
+                             STAGES, CAUSAL, WINDOW, ALIBI, GROUP, BIAS, DROPOUT, PACKED_P)
     return pos
 
 
@@ -473,9 +530,10 @@ def _consume_tile(WG: gl.constexpr, t, pos, done, q_desc, o_desc, out_ptr, lse_p
 def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs,
                    k_ready, k_empty, v_ready, v_empty, pos, done, b, h, m0, bd, row_base, seqlen, stride_os,
                    stride_oh, lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                   mask_bufs, mask_ready, drop_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   mask_bufs, mask_ready, alibi_cols, drop_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                   ALIBI: gl.constexpr, GROUP: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr):
+                   ALIBI: gl.constexpr, GROUP: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr,
+                   PACKED_P: gl.constexpr):
     """Warpgroup WG's 64 query rows of one tile; rows, keys and seqlen are the sequence's. Its first
     key tile is at ring position ``pos``, and ``done`` tiles came before it; returns the position
     after its last key tile."""
@@ -495,6 +553,8 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
     slope = 0.0
     if ALIBI != 0:  # in log2 units, like the scores
         slope = gl.load(alibi_ptr + b * stride_ab + h * stride_ah) * LOG2E
+    if ALIBI == 4:
+        _write_alibi_columns(alibi_cols.index(WG), BLOCK_N)
 
     # Q buffers: one a consumer (loaded here), or two a consumer in turn (loaded ahead, _consumer)
     Q_BUFS: gl.constexpr = q_bufs.shape[0] // (BLOCK_M // ROWS)
@@ -520,7 +580,7 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
     p, m_i, l_i, alpha = _softmax_update(qk, bias, m_i, l_i, first * BLOCK_N, row0, rows, seqlen, qk_scale, left,
                                          right, slope, s_layout, BLOCK_N, True, True, CAUSAL, WINDOW, ALIBI, BIAS,
                                          not (WINDOW or ALIBI > 0 or BIAS or DROPOUT))
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    p_op = gl.convert_layout(_rounded_pairs(p, dtype, PACKED_P), p_layout)
     p_op = _drop_p(p_op, mask_bufs, mask_ready, WG, pos, p_layout, STAGES, DROPOUT)
     o_acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
@@ -530,31 +590,34 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
     hi = gl.minimum(gl.maximum(inner_hi, lo), end)
     diag_lo = hi
     diag_hi = hi
-    if ALIBI == 3:
+    if ALIBI >= 3:
         diag_lo = gl.minimum(gl.maximum((row0 + 1) // BLOCK_N, lo), hi)
         diag_hi = gl.minimum(gl.maximum(gl.cdiv(row0 + ROWS - 1, BLOCK_N), diag_lo), hi)
     if WINDOW:
         o_acc, p_op, m_i, l_i = _consumer_steps(
             first + 1, lo, WG, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, o_acc,
-            p_op, m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready, s_layout,
-            o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, True, False, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT)
+            p_op, m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready, alibi_cols,
+            s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, True, False, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT,
+            PACKED_P)
     o_acc, p_op, m_i, l_i = _consumer_steps(
         lo, diag_lo, WG, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, o_acc, p_op,
-        m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready, s_layout, o_layout,
-        p_layout, BLOCK_N, HEAD_DIM, STAGES, False, False, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT)
-    if ALIBI == 3:
+        m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready, alibi_cols, s_layout,
+        o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, False, False, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT, PACKED_P)
+    if ALIBI >= 3:
         o_acc, p_op, m_i, l_i = _consumer_steps(
             diag_lo, diag_hi, WG, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, o_acc,
-            p_op, m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready, s_layout,
-            o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, False, True, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT)
+            p_op, m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready, alibi_cols,
+            s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, False, True, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT,
+            PACKED_P)
         o_acc, p_op, m_i, l_i = _consumer_steps(
             diag_hi, hi, WG, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, o_acc,
-            p_op, m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready, s_layout,
-            o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, False, False, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT)
+            p_op, m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready, alibi_cols,
+            s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, False, False, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT,
+            PACKED_P)
     o_acc, p_op, m_i, l_i = _consumer_steps(
         hi, end, WG, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, o_acc, p_op,
-        m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready, s_layout, o_layout,
-        p_layout, BLOCK_N, HEAD_DIM, STAGES, True, False, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT)
+        m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready, alibi_cols, s_layout,
+        o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, True, False, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT, PACKED_P)
 
     jl = ring0 + end - 1
     sl = jl % STAGES
@@ -644,10 +707,12 @@ def _drop_key_tile(u, m0, kv0, key_lo, key_hi, base_lo, base_hi, threshold, mask
 # Lengths, head counts and window sizes are not specialized: one compile serves every shape of a
 # config. WINDOW: a sliding window of ``left`` keys back and ``right`` ahead (unbounded sides come
 # as 2 * seqlen); ALIBI: 0 none, 1 -slope * |i - j|, 3 the same computed linearly off the diagonal
-# (no window), 2 slope * j (causal), slopes [B?, H] strided;
+# (no window), 4 as 3 with the column term added by the tensor cores, 2 slope * j (causal), slopes
+# [B?, H] strided;
 # BIAS: an elementwise bias through ``bias_desc`` over ``[B or 1, H or 1, S, S]`` (coordinates b *
 # bias_step_b, h * bias_step_h: 0 for a broadcast dim), else ``bias_desc`` stands in as k_desc.
 # Q_BUFS: Q buffers a consumer, 2 (persistent, batch mode) to load a tile's Q during the tile before.
+# PACKED_P: P rounded to the PV operand two elements a cvt (``HopperFwdConfig.packed_p``).
 @gluon.jit(do_not_specialize=["seqlen", "H", "kv_group", "tiles", "left", "right", "stride_ab", "stride_ah",
                               "stride_os", "stride_oh", "lse_stride_b", "lse_stride_h", "bias_step_b", "bias_step_h",
                               "threshold"])
@@ -658,7 +723,7 @@ def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, out_p
                                 STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, Q_BUFS: gl.constexpr,
                                 CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                                 ALIBI: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr, BIAS: gl.constexpr,
-                                DROPOUT: gl.constexpr):
+                                DROPOUT: gl.constexpr, PACKED_P: gl.constexpr):
     gl.static_assert(NUM_CONSUMERS == 2 or (NUM_CONSUMERS == 3 and not DROPOUT))
     gl.static_assert(Q_BUFS == 1 or (Q_BUFS == 2 and PERSISTENT and not GROUP))
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * NUM_CONSUMERS
@@ -694,6 +759,12 @@ def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, out_p
     else:  # never read
         mask_bufs = k_bufs
         mask_ready = k_ready
+    if ALIBI == 4:  # consumer wg's ALiBi wgmma operand (see _write_alibi_columns)
+        alibi_cols = gl.allocate_shared_memory(
+            gl.bfloat16, [NUM_CONSUMERS, BLOCK_N, ALIBI_PIECES],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, ALIBI_PIECES], gl.bfloat16))
+    else:  # never read
+        alibi_cols = k_bufs
 
     # Each consumer warpgroup is a partition of its own (the first argument is its index), so it
     # gets its own named barrier and one warpgroup's mbarrier arrive never waits on another. The
@@ -708,26 +779,26 @@ def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, out_p
             (_consumer, (0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
                           lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                          mask_bufs, mask_ready, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
+                          mask_bufs, mask_ready, alibi_cols, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT, PACKED_P)),
             (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
                           lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                          mask_bufs, mask_ready, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
+                          mask_bufs, mask_ready, alibi_cols, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT, PACKED_P)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     elif NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
                           lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                          mask_bufs, mask_ready, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
+                          mask_bufs, mask_ready, alibi_cols, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT, PACKED_P)),
             (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
                           lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                          mask_bufs, mask_ready, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
+                          mask_bufs, mask_ready, alibi_cols, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT, PACKED_P)),
             (_producer, (k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
                          seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right,
                          BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT, BIAS)),
@@ -737,18 +808,18 @@ def attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, bias_desc, out_p
             (_consumer, (0, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
                           lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                          mask_bufs, mask_ready, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
+                          mask_bufs, mask_ready, alibi_cols, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT, PACKED_P)),
             (_consumer, (1, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
                           lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                          mask_bufs, mask_ready, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
+                          mask_bufs, mask_ready, alibi_cols, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT, PACKED_P)),
             (_consumer, (2, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q_bars, k_bufs, v_bufs, bias_bufs, k_ready,
                           k_empty, v_ready, v_empty, seqstart_ptr, table_ptr, seqlen, H, tiles, stride_os, stride_oh,
                           lse_stride_b, lse_stride_h, qk_scale, left, right, alibi_ptr, stride_ab, stride_ah,
-                          mask_bufs, mask_ready, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT)),
+                          mask_bufs, mask_ready, alibi_cols, drop_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                          WINDOW, ALIBI, GROUP, PERSISTENT, BIAS, DROPOUT, PACKED_P)),
             (_producer, (k_desc, v_desc, bias_desc, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty,
                          seqstart_ptr, table_ptr, seqlen, H, kv_group, tiles, bias_step_b, bias_step_h, left, right,
                          BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW, GROUP, PERSISTENT, BIAS)),

@@ -178,8 +178,8 @@ class HopperFwdConfig:
     # two consumers of 240 registers (the dropout forward's register split without dropout's
     # warpgroup) where ``consumers`` of ``consumer_regs`` spill there.
     group_window_two_consumers: bool = False
-    # P rounded for the PV wgmma two elements a cvt (32 PRMTs fewer a d=128 step); at d=64 the
-    # three consumers spill 304 B with it
+    # P rounded for the PV wgmma two elements a cvt (32 PRMTs fewer a d=128 step; d=256, 16k: 700
+    # TFLOP/s against 670, H100, medians of four runs); at d=64 the three consumers spill 304 B with it
     packed_p: bool = False
 
 
@@ -203,9 +203,11 @@ HOPPER_FWD_CONFIGS: dict[int, HopperFwdConfig] = {
     # 4k 0.91, 16k 0.88 (static turns balance causal tiles worse than the hardware's dispatch), and
     # at 1k 0.77 on an H100 (session 35, graph replay: 263 / 261 against 341 / 347; cuDNN 387 / 394),
     # though an earlier build measured 1.06 on the H200: causal runs one CTA per tile.
-    # Persistent, a window's consumers of 240 registers spill 40 B outside the loops (producer 24),
-    # of 224 none, but run 292 us against 274 (H100, 16k b:1024,0; per tile 292): 240, accepted by
-    # compile_check.ACCEPTED_SPILLS.
+    # Persistent, a window's consumers of 240 registers spill 40 B outside the loops (producer 24;
+    # 44 B with packed_p), of 224 none, but run 292 us against 274 (H100, 16k b:1024,0; per tile
+    # 292): 240, accepted by compile_check.ACCEPTED_SPILLS.
+    # ALiBi by wgmma (alibi_mma) and packed_p, H100, 16k, medians of five runs: ALiBi 609 TFLOP/s
+    # against 564 (the scale-FMA form), window 469 against 456; plain, bias and dropout within noise.
     128: HopperFwdConfig(128, 2, 2, 240, 168, persistent_max_seqlen=2048, persistent_window_regs=240,
                          persistent_q_bufs=2, bias=True, bias_dropout_block_n=64, bias_dropout_stages=3,
                          alibi_linear=True, alibi_mma=True, packed_p=True),

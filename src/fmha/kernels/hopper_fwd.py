@@ -253,19 +253,17 @@ def _softmax_update(qk, bias, m_i, l_i, kv0, row0, rows, seqlen, qk_scale, left,
     scores = qk
     scale = qk_scale
     ALIBI_LINEAR: gl.constexpr = (ALIBI == 3 or ALIBI == 4) and not (MASKED or DIAG)
-    if ALIBI_LINEAR and ALIBI == 4:  # the column term is in qk already (see _alibi_slope_operand)
-        above = kv0 >= row0 + ROWS_PER_CONSUMER - 1
-        signed = slope * (1.0 - 2.0 * above.to(gl.float32))
-        row_shift = signed * (kv0 - rows).to(gl.float32)
-    elif ALIBI_LINEAR:
-        # Off the diagonal |i - j| is linear: slope * (j - kv0) joins the scale's FMA and the
-        # row's term shifts m, so only tiles on the diagonal pay a per-element distance (its
-        # int-to-float conversions share the ex2's quarter-rate pipe).
+    if ALIBI_LINEAR:
+        # Off the diagonal |i - j| is linear: the column term slope * (j - kv0) joins the scale's
+        # FMA (ALIBI 3; ALIBI 4: qk holds it already, see _alibi_slope_operand) and the row's term
+        # shifts m, so only tiles on the diagonal pay a per-element distance (its int-to-float
+        # conversions share the ex2's quarter-rate pipe).
         above = kv0 >= row0 + ROWS_PER_CONSUMER - 1  # every key j >= every row i, else every j <= i
         signed = slope * (1.0 - 2.0 * above.to(gl.float32))  # -slope * (i - j), or (j - i) above
-        scores = qk * qk_scale + (signed * tile_cols.to(gl.float32))[None, :]
+        if ALIBI == 3:
+            scores = qk * qk_scale + (signed * tile_cols.to(gl.float32))[None, :]
+            scale = 1.0
         row_shift = signed * (kv0 - rows).to(gl.float32)
-        scale = 1.0
     elif ALIBI == 1 or ALIBI >= 3:
         scores = qk * qk_scale - slope * gl.abs(rows[:, None] - cols[None, :]).to(gl.float32)
         scale = 1.0

@@ -205,6 +205,7 @@ WINDOW_ALIBI_CASES = [
     (2, 4096, 8, 64, "t:300,40", False, torch.bfloat16),
     (2, 4096, 8, 256, "b:1024,0", False, torch.float16),
     (1, 5000, 2, 128, "b:2500,0", False, torch.float16),
+    (1, 5000, 2, 64, "b:2500,17", False, torch.bfloat16),  # 192-row CTAs, one a tile: edge tiles skipped
     (2, 1000, 4, 128, None, True, torch.bfloat16),
     (2, 1000, 4, 128, "t", True, torch.bfloat16),
     (1, 1100, 2, 256, "b:256,0", True, torch.float16),

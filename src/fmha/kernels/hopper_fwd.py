@@ -63,6 +63,36 @@ def _key_tiles(m0, seqlen, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.const
     return first, inner_lo, inner_hi, end
 
 
+@gluon.jit
+def _warpgroup_tiles(row0, seqlen, left, right, first, end, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                     WINDOW: gl.constexpr):
+    """Of the CTA's key tiles [first, end), the run [wg_first, wg_end) that a warpgroup's rows from
+    row0 see keys of (at least one tile)."""
+    key_first = 0
+    key_last = seqlen - 1
+    if CAUSAL:
+        key_last = gl.minimum(key_last, row0 + ROWS_PER_CONSUMER - 1)
+    if WINDOW:
+        key_first = gl.maximum(row0 - left, 0)
+        key_last = gl.minimum(key_last, row0 + ROWS_PER_CONSUMER - 1 + right)
+    wg_first = gl.minimum(gl.maximum(key_first // BLOCK_N, first), end - 1)
+    wg_end = gl.maximum(gl.minimum(key_last // BLOCK_N + 1, end), wg_first + 1)
+    return wg_first, wg_end
+
+
+@gluon.jit
+def _release_tiles(u0, u1, k_ready, k_empty, v_ready, v_empty, STAGES: gl.constexpr):
+    """Hand ring positions u0 .. u1 - 1 back unread, each once it has landed (an arrive before then
+    could count in the phase of the slot's previous tile)."""
+    for u in range(u0, u1):
+        s = u % STAGES
+        phase = (u // STAGES) & 1
+        mbarrier.wait(k_ready.index(s), phase)
+        mbarrier.arrive(k_empty.index(s))
+        mbarrier.wait(v_ready.index(s), phase)
+        mbarrier.arrive(v_empty.index(s))
+
+
 # Group mode's tile table: one int64 entry per CTA, ``b << 40 | h << 20 | m`` (query tile m of head
 # h of sequence b), -1 past the last tile.
 TABLE_B_SHIFT = tl.constexpr(40)
@@ -557,6 +587,14 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
 
     first, inner_lo, inner_hi, end = _key_tiles(m0, seqlen, left, right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     row0 = m0 + WG * ROWS
+    # Where a warpgroup's 64 rows are not the key tile's width (192-row CTAs, 64-key tiles), a
+    # causal or windowed CTA's first or last key tiles can hold no key its rows see: it releases
+    # them unread. Not with dropout, whose mask slots follow V's releases.
+    SKIP: gl.constexpr = (CAUSAL or WINDOW) and not DROPOUT and BLOCK_M != BLOCK_N
+    wg_first = first
+    wg_end = end
+    if SKIP:
+        wg_first, wg_end = _warpgroup_tiles(row0, seqlen, left, right, first, end, BLOCK_N, CAUSAL, WINDOW)
     rows = row0 + gl.arange(0, ROWS, layout=row_layout)
     slope = 0.0
     if ALIBI != 0:  # in log2 units, like the scores
@@ -575,6 +613,9 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
 
     # The first tile is always masked: cheap, and it keeps the loops below uniform.
     ring0 = pos - first  # the ring position of key tile 0
+    if SKIP:
+        _release_tiles(pos, ring0 + wg_first, k_ready, k_empty, v_ready, v_empty, STAGES)
+        pos = ring0 + wg_first
     s0 = pos % STAGES
     mbarrier.wait(k_ready.index(s0), (pos // STAGES) & 1)
     k_t = k_bufs.index(s0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
@@ -585,7 +626,7 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
     mbarrier.arrive(k_empty.index(s0))
     m_i = gl.full([ROWS], -float("inf"), gl.float32, row_layout)
     l_i = gl.full([ROWS], 0.0, gl.float32, row_layout)
-    p, m_i, l_i, alpha = _softmax_update(qk, bias, m_i, l_i, first * BLOCK_N, row0, rows, seqlen, qk_scale, left,
+    p, m_i, l_i, alpha = _softmax_update(qk, bias, m_i, l_i, wg_first * BLOCK_N, row0, rows, seqlen, qk_scale, left,
                                          right, slope, s_layout, BLOCK_N, True, True, CAUSAL, WINDOW, ALIBI, BIAS,
                                          not (WINDOW or ALIBI > 0 or BIAS or DROPOUT))
     p_op = gl.convert_layout(_rounded_pairs(p, dtype, PACKED_P), p_layout)
@@ -594,8 +635,8 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
 
     # Masked tiles before the unmasked interior (a window's left edge), the interior, masked after;
     # with ALiBi's distance the interior's tile on the diagonal apart.
-    lo = gl.minimum(gl.maximum(inner_lo, first + 1), end)
-    hi = gl.minimum(gl.maximum(inner_hi, lo), end)
+    lo = gl.minimum(gl.maximum(inner_lo, wg_first + 1), wg_end)
+    hi = gl.minimum(gl.maximum(inner_hi, lo), wg_end)
     diag_lo = hi
     diag_hi = hi
     if ALIBI >= 3:
@@ -603,7 +644,7 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
         diag_hi = gl.minimum(gl.maximum(gl.cdiv(row0 + ROWS - 1, BLOCK_N), diag_lo), hi)
     if WINDOW:
         o_acc, p_op, m_i, l_i = _consumer_steps(
-            first + 1, lo, WG, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, o_acc,
+            wg_first + 1, lo, WG, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, o_acc,
             p_op, m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready, alibi_cols,
             s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, True, False, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT,
             PACKED_P)
@@ -623,16 +664,18 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
             s_layout, o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, False, False, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT,
             PACKED_P)
     o_acc, p_op, m_i, l_i = _consumer_steps(
-        hi, end, WG, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, o_acc, p_op,
+        hi, wg_end, WG, ring0, q_tile, k_bufs, v_bufs, bias_bufs, k_ready, k_empty, v_ready, v_empty, o_acc, p_op,
         m_i, l_i, row0, rows, seqlen, qk_scale, left, right, slope, mask_bufs, mask_ready, alibi_cols, s_layout,
         o_layout, p_layout, BLOCK_N, HEAD_DIM, STAGES, True, False, CAUSAL, WINDOW, ALIBI, BIAS, DROPOUT, PACKED_P)
 
-    jl = ring0 + end - 1
+    jl = ring0 + wg_end - 1
     sl = jl % STAGES
     mbarrier.wait(v_ready.index(sl), (jl // STAGES) & 1)
     o_acc = warpgroup_mma(p_op, v_bufs.index(sl).reshape([BLOCK_N, HEAD_DIM]), o_acc, is_async=True)
     o_acc = warpgroup_mma_wait(0, deps=[o_acc, p_op])[0]
     mbarrier.arrive(v_empty.index(sl))
+    if SKIP:
+        _release_tiles(ring0 + wg_end, ring0 + end, k_ready, k_empty, v_ready, v_empty, STAGES)
 
     # Epilogue: O / l and the natural-log LSE; O leaves through the Q buffer (its last reader,
     # the wgmma, has retired) and a TMA store that clips rows past the batch's sequence. In group

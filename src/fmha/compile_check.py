@@ -43,7 +43,10 @@ SM90_MAX_SHARED = 232448  # bytes of shared memory one block may use on Hopper
 # with 224 it spills none but runs 292 us against 274 (H100, 16k, b:1024,0; benchmarks/NOTES.md,
 # session 42). With P rounded in pairs (packed_p) 44 B, still outside the loops, and the window
 # runs 469 TFLOP/s against 456 without it (H100, medians of five runs, session 46).
-ACCEPTED_SPILLS = {"d=128 [plain] fwd window persistent": 44}
+# The persistent window forward at d=256 spills 72 B, outside its loops, since a warpgroup releases
+# unread the edge key tiles its rows see none of (1 of 18 under b:1024,0); 16k, b:1024,0: 520
+# TFLOP/s against 511 without (H100, medians of three runs, session 47).
+ACCEPTED_SPILLS = {"d=128 [plain] fwd window persistent": 44, "d=256 [plain] fwd window persistent": 72}
 
 
 class _HopperCompileOnly:

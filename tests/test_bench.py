@@ -80,3 +80,37 @@ def test_bench_command_times_each_feature_after_its_plain_reference(monkeypatch)
     assert names == [("plain", 16384, 0), ("window", 16384, 0), ("plain", 1024, 0), ("varlen", 16384, 0),
                      ("bias", 16384, 0), ("plain", 16384, 1), ("plain", 1024, 1), ("varlen", 16384, 1),
                      ("bias", 16384, 1)]
+
+
+def _ab_module():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "ab.py"
+    spec = importlib.util.spec_from_file_location("fmha_benchmarks_ab", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ab_summary_gives_each_trees_median_range_and_ratio():
+    ab = _ab_module()
+    cell = dict(direction="fwd", head_dim=128, seqlen=16384, causal=False, feature="window", provider="fmha")
+    peer = dict(cell, feature="plain", provider="sdpa_cudnn")
+    runs = [(0, dict(cell, tflops=t)) for t in (450.0, 470.0, 460.0)]
+    runs += [(1, dict(cell, tflops=t)) for t in (500.0, 480.0, 490.0)]
+    runs += [(0, dict(peer, tflops=600.0)), (1, dict(peer, tflops=606.0)), (1, dict(peer, error="oom"))]
+    lines = ab.summarize(runs, ["src", "other/src"])
+    assert len(lines) == 2
+    window = next(line for line in lines if "window fmha" in line)
+    assert "460.0 [450-470]" in window and "490.0 [480-500]" in window and "x1.065" in window
+    control = next(line for line in lines if "sdpa_cudnn" in line)
+    assert "x1.010" in control
+
+
+def test_ab_refuses_a_single_tree_and_a_bench_jsonl():
+    ab = _ab_module()
+    with pytest.raises(SystemExit):
+        ab.main(["--tree", "src", "--", "--direction", "fwd"])
+    with pytest.raises(SystemExit):
+        ab.main(["--tree", "src", "--tree", "b", "--", "--jsonl", "x.jsonl"])

@@ -5,6 +5,8 @@ runs once under the interpreter and is checked against the reference.
 """
 
 import functools
+import importlib.util
+import pathlib
 
 import pytest
 import torch
@@ -83,9 +85,6 @@ def test_bench_command_times_each_feature_after_its_plain_reference(monkeypatch)
 
 
 def _ab_module():
-    import importlib.util
-    import pathlib
-
     path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "ab.py"
     spec = importlib.util.spec_from_file_location("fmha_benchmarks_ab", path)
     module = importlib.util.module_from_spec(spec)
@@ -103,14 +102,17 @@ def test_ab_summary_gives_each_trees_median_range_and_ratio():
     lines = ab.summarize(runs, ["src", "other/src"])
     assert len(lines) == 2
     window = next(line for line in lines if "window fmha" in line)
-    assert "460.0 [450-470]" in window and "490.0 [480-500]" in window and "x1.065" in window
+    assert "460.0 [450-470] n=3" in window and "490.0 [480-500] n=3" in window and "x1.065" in window
     control = next(line for line in lines if "sdpa_cudnn" in line)
     assert "x1.010" in control
 
 
-def test_ab_refuses_a_single_tree_and_a_bench_jsonl():
+def test_ab_refuses_a_single_tree_a_tree_without_fmha_and_a_bench_jsonl(tmp_path):
     ab = _ab_module()
+    src = str(pathlib.Path(fmha.__file__).parents[1])
     with pytest.raises(SystemExit):
-        ab.main(["--tree", "src", "--", "--direction", "fwd"])
+        ab.main(["--tree", src, "--", "--direction", "fwd"])
     with pytest.raises(SystemExit):
-        ab.main(["--tree", "src", "--tree", "b", "--", "--jsonl", "x.jsonl"])
+        ab.main(["--tree", src, "--tree", str(tmp_path), "--", "--direction", "fwd"])
+    with pytest.raises(SystemExit):
+        ab.main(["--tree", src, "--tree", src, "--", "--jsonl=x.jsonl"])

@@ -587,10 +587,10 @@ def _consumer_tile(WG: gl.constexpr, q_desc, o_desc, out_ptr, lse_ptr, q_bufs, q
 
     first, inner_lo, inner_hi, end = _key_tiles(m0, seqlen, left, right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     row0 = m0 + WG * ROWS
-    # Where a warpgroup's 64 rows are not the key tile's width (192-row CTAs, 64-key tiles), a
-    # causal or windowed CTA's first or last key tiles can hold no key its rows see: it releases
-    # them unread. Not with dropout, whose mask slots follow V's releases, nor in group mode, where
-    # it spills (d = 64, causal: 8 B) and measured no gain.
+    # Where a warpgroup's 64 rows are not the key tile's width (d = 64: 192-row CTAs, d = 256:
+    # 64-key tiles), a causal or windowed CTA's first or last key tiles can hold no key its rows
+    # see: it releases them unread. Not with dropout, whose mask slots follow V's releases, nor in
+    # group mode, where it spills (d = 64, causal: 8 B) and measured no gain.
     SKIP: gl.constexpr = (CAUSAL or WINDOW) and not (DROPOUT or GROUP) and BLOCK_M != BLOCK_N
     wg_first = first
     wg_end = end

@@ -187,11 +187,11 @@ class HopperFwdConfig:
 HOPPER_FWD_CONFIGS: dict[int, HopperFwdConfig] = {
     # d=64, 16k tokens, TFLOP/s, portable against this kernel. Causal, graph replay: 1k 254 against
     # 153, 2k 308 against 261, 4k 346 against 348; fmha bench 1k 171 against 153, 2k 322 against
-    # 256; H100, session 47 (warpgroups skipping unseen edge tiles), fmha bench: 1k 192 against 266,
-    # 2k 312 against 329, 4k 398 against 362. One CTA of 192 rows per SM pays its fill and drain on
+    # 256; H100, session 47 (warpgroups skipping unseen edge tiles), fmha bench: 1k 266 against 192,
+    # 2k 329 against 312, 4k 362 against 398. One CTA of 192 rows per SM pays its fill and drain on
     # few key tiles; two portable CTAs per SM hide each other's. Where the persistent form runs
-    # (below its limits, no features) it wins: 1k 387 / 386 against 372 / 372 (fmha bench, two rounds; 131072 tokens 410 / 403
-    # against 392 / 393), so ``min_seqlen`` does not apply there.
+    # (below its limits, no features) it wins: 1k 387 / 386 against 372 / 372 (fmha bench, two
+    # rounds; 131072 tokens 410 / 403 against 392 / 393), so ``min_seqlen`` does not apply there.
     # With ALiBi under a causal mask ptxas spills 360 B here (at d=128/256 nothing).
     # Persistent against one CTA per tile (same build, CUDA graphs, bf16, 16k tokens): 1k 1.12,
     # 4k 0.99, 16k 0.98; causal 1k 1.42, 4k 0.95, 16k 0.91, but causal persistent spills 8 B.

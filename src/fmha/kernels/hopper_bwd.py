@@ -66,13 +66,14 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 @triton.jit
 def hopper_bwd_preprocess(O, DO, Lse, NegDelta, NegLse, Seqstart, Acc, seqlen, seqlen_pad, H, inv_scale,
-                          stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
-                          HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                          delta_scale, stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh, stride_lb,
+                          stride_lh, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
                           ZERO_ACC: tl.constexpr, COPIES: tl.constexpr):
     """Statistics per (sequence, head), padded rows: in group mode ``seqlen`` is the longest
     sequence and sequence b the rows ``Seqstart[b] ..`` of the packed O, dO and LSE. ``ZERO_ACC``
     (batch mode): also zero these rows of the contiguous ``[B, S, H * COPIES, HEAD_DIM]`` dQ
-    accumulator, which saves the host a fill's launch."""
+    accumulator, which saves the host a fill's launch. -delta is stored times ``delta_scale`` (with
+    dropout 1 - p, see the consumers' step)."""
     blocks = seqlen_pad // BLOCK  # 1-D grid: grid y stops at 65535, less than batch * heads can be
     bh = tl.program_id(0) // blocks
     b = bh // H
@@ -94,7 +95,7 @@ def hopper_bwd_preprocess(O, DO, Lse, NegDelta, NegLse, Seqstart, Acc, seqlen, s
     pad = bh.to(tl.int64) * seqlen_pad + rows
     # Negated: S^T's accumulator starts from -lse, dP^T's from -delta (or adds it). A row that sees no
     # key (a bias of -inf over all of them: lse = -inf) gets -inf too, so its P stays 0.
-    tl.store(NegDelta + pad, tl.where(ok, -tl.sum(o * do, 1), 0.0))
+    tl.store(NegDelta + pad, tl.where(ok, -tl.sum(o * do, 1) * delta_scale, 0.0))
     tl.store(NegLse + pad, tl.where(lse == -float("inf"), -float("inf"), -lse * inv_scale))
     if ZERO_ACC:
         acc_rows = (b.to(tl.int64) * seqlen + rows) * (H * COPIES) + h * COPIES
@@ -518,19 +519,20 @@ def _scores_start(WG: gl.constexpr, it, s, lse_bufs, bias_bufs, bias_ready, bias
 
 # P with its sign bit set where the 16-bit mask is 0 (dropped), opaque to the compiler: folded
 # back into a select on the mask it would keep the mask live beside dP^T.
+# Two elements a mask register (the first's 16-bit mask in its low half): each element's sign bit
+# set where its mask is 0, by one lop3 (a | ~b & c) each, the first's mask shifted to the top.
 _SIGN_DROPPED = gl.constexpr("""{
 .reg .b32 t;
-cvt.u32.u16 t, $2;
-not.b32 t, t;
-and.b32 t, t, 0x8000;
-shl.b32 t, t, 16;
-or.b32 $0, $1, t;
+shl.b32 t, $4, 16;
+lop3.b32 $0, $2, t, 0x80000000, 0xF2;
+lop3.b32 $1, $3, $4, 0x80000000, 0xF2;
 }""")
 
 
 @gluon.jit
 def _sign_dropped(p, keep):
-    return gl.inline_asm_elementwise(_SIGN_DROPPED, "=r,r,h", [p, keep], dtype=gl.float32, is_pure=True, pack=1)
+    return gl.inline_asm_elementwise(_SIGN_DROPPED, "=r,=r,r,r,r", [p, keep], dtype=gl.float32, is_pure=True,
+                                     pack=2)
 
 
 @gluon.jit
@@ -594,20 +596,19 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
     # Else P^T goes through this warpgroup's own smem tile (with 128-row query tiles the register
     # operands spill).
     if DROPOUT:
-        # The producer's 16-bit masks (all ones where kept) go into P^T's sign bit (P >= 0 and
-        # exp2's NaN is positive, so the sign marks a drop), which zeroes the dropped elements of
-        # dV's operand, P^T * keep / (1 - p), and of dP^T before -delta joins: dS = P * (dP *
-        # keep / (1 - p) - delta). No mask register stays live beside dP^T.
+        # The producer's 16-bit masks (all ones where kept) go into the sign bit of P^T / (1 - p)
+        # (P >= 0 and exp2's NaN is positive, so the sign marks a drop). Its kept part is dV's
+        # operand, and dS = P * (dP * keep / (1 - p) - delta) = kept * dP + |P^T / (1 - p)| *
+        # (-delta * (1 - p)), the last factor the preprocess's (``delta_scale``). No mask
+        # register stays live beside dP^T.
         mbarrier.wait(mask_ready.index(s), ph)  # (its slot is written again after Q's slot is freed)
         keep = mask_bufs.index(s).slice(WG * WG_KEYS, WG_KEYS, dim=0).load(sT_layout)
-        pT = _sign_dropped(pT, keep)
+        pT = _sign_dropped(pT * drop_scale, keep)
         # -P and -0 give +0; a NaN stays NaN, dropped too (its row's dS^T, and so dK, is NaN anyway)
-        kept_p = gl.maximum(pT, 0.0, propagate_nan=tl.PropagateNan.ALL)
-        p_op = gl.convert_layout((kept_p * drop_scale).to(dtype), kv_op_layout)
+        p_op = gl.convert_layout(gl.maximum(pT, 0.0, propagate_nan=tl.PropagateNan.ALL).to(dtype), kv_op_layout)
         dpT = warpgroup_mma_wait(0, deps=[dpT])
-        dropped = pT.to(gl.int32, bitcast=True) < 0
-        dpT = gl.where(dropped, 0.0, dpT) * drop_scale + delta_bufs.index(s).load(sT_layout)
-        pT = gl.abs(pT)
+        kept = gl.maximum(pT, 0.0, propagate_nan=tl.PropagateNan.ALL)
+        dsT = (kept * dpT + gl.abs(pT) * delta_bufs.index(s).load(sT_layout)).to(dtype)
     else:
         if DKV_RS:
             p_op = gl.convert_layout(pT.to(dtype), kv_op_layout)
@@ -618,7 +619,7 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
         dpT = warpgroup_mma_wait(0, deps=[dpT])
         if DPT_ZERO:
             dpT += delta_bufs.index(s).load(sT_layout)
-    dsT = (pT * dpT).to(dtype)
+        dsT = (pT * dpT).to(dtype)
     dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
     if DKV_RS:  # dK needs only this warpgroup's dS^T: it runs while the warpgroups meet below
         ds_op = gl.convert_layout(dsT, kv_op_layout)

@@ -46,7 +46,15 @@ SM90_MAX_SHARED = 232448  # bytes of shared memory one block may use on Hopper
 # The persistent window forward at d=256 spills 72 B, outside its loops, since a warpgroup releases
 # unread the edge key tiles its rows see none of (1 of 18 under b:1024,0); 16k, b:1024,0: 520
 # TFLOP/s against 511 without (H100, medians of three runs, session 47).
-ACCEPTED_SPILLS = {"d=128 [plain] fwd window persistent": 44, "d=256 [plain] fwd window persistent": 72}
+# The backward with dropout at d=128 spills 8 B (causal 24 B), outside its loops, since it marks
+# drops two a mask register and folds 1 - p into -delta; 16k: 485 TFLOP/s against 450 without
+# (causal 465 against 443; H100, medians of two runs, session 48).
+ACCEPTED_SPILLS = {
+    "d=128 [plain] fwd window persistent": 44,
+    "d=256 [plain] fwd window persistent": 72,
+    "d=128 [plain] bwd attention_bwd_hopper_kernel dropout": 8,
+    "d=128 [causal] bwd attention_bwd_hopper_kernel dropout": 24,
+}
 
 
 class _HopperCompileOnly:

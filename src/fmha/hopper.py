@@ -717,11 +717,10 @@ def _build_bwd_launches(inputs: AttentionInputs, tensors: tuple, deterministic: 
     block_m = _bwd_block_m(inputs, deterministic)
     zero_acc = not inputs.group and not chains  # (see _bwd_tensors)
     per_sequence = 0 if inputs.group else 1  # group mode: one packed "batch", sequences by seqstart
-    dropout = _dropout_args(inputs, philox, neg_lse)
     preprocess = dict(
         O=out, DO=dout, Lse=lse, NegDelta=neg_delta, NegLse=neg_lse,
         Seqstart=inputs.seqstart_q if inputs.group else neg_lse, Acc=dq_acc, seqlen=seqlen, seqlen_pad=seqlen_pad,
-        H=nhead, inv_scale=1.0 / inputs.scale, delta_scale=1.0 - inputs.dropout_p if dropout["DROPOUT"] else 1.0,
+        H=nhead, inv_scale=1.0 / inputs.scale, delta_scale=1.0 - inputs.dropout_p,
         stride_ob=out.stride(0) * per_sequence, stride_os=out.stride(1),
         stride_oh=out.stride(2), stride_dob=dout.stride(0) * per_sequence, stride_dos=dout.stride(1),
         stride_doh=dout.stride(2), stride_lb=lse.stride(0) * per_sequence, stride_lh=lse.stride(1),
@@ -744,6 +743,7 @@ def _build_bwd_launches(inputs: AttentionInputs, tensors: tuple, deterministic: 
         main = (attention_bwd_hopper_wide_kernel, (cdiv(seqlen, WIDE_KEYS.value) * batch * nhead_k,), wide)
     else:
         features = _window_and_alibi_args(inputs, neg_lse)
+        dropout = _dropout_args(inputs, philox, neg_lse)
         dq_cols = head_dim if block_m == 128 else head_dim // 2
         k_desc = _desc(k, BLOCK_N.value, head_dim)
         narrow = dict(

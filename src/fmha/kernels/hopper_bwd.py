@@ -518,9 +518,9 @@ def _scores_start(WG: gl.constexpr, it, s, lse_bufs, bias_bufs, bias_ready, bias
 
 
 # P with its sign bit set where the 16-bit mask is 0 (dropped), opaque to the compiler: folded
-# back into a select on the mask it would keep the mask live beside dP^T.
-# Two elements a mask register (the first's 16-bit mask in its low half): each element's sign bit
-# set where its mask is 0, by one lop3 (a | ~b & c) each, the first's mask shifted to the top.
+# back into a select on the mask it would keep the mask live beside dP^T. Two elements a mask
+# register (the first's mask in its low half), one lop3 (a | ~b & c) each, the first's mask
+# shifted to the top.
 _SIGN_DROPPED = gl.constexpr("""{
 .reg .b32 t;
 shl.b32 t, $4, 16;
@@ -605,9 +605,9 @@ def _consumer_step(WG: gl.constexpr, it, m, inner_lo, inner_hi, k_w, v_w, k_full
         keep = mask_bufs.index(s).slice(WG * WG_KEYS, WG_KEYS, dim=0).load(sT_layout)
         pT = _sign_dropped(pT * drop_scale, keep)
         # -P and -0 give +0; a NaN stays NaN, dropped too (its row's dS^T, and so dK, is NaN anyway)
-        p_op = gl.convert_layout(gl.maximum(pT, 0.0, propagate_nan=tl.PropagateNan.ALL).to(dtype), kv_op_layout)
-        dpT = warpgroup_mma_wait(0, deps=[dpT])
         kept = gl.maximum(pT, 0.0, propagate_nan=tl.PropagateNan.ALL)
+        p_op = gl.convert_layout(kept.to(dtype), kv_op_layout)
+        dpT = warpgroup_mma_wait(0, deps=[dpT])
         dsT = (kept * dpT + gl.abs(pT) * delta_bufs.index(s).load(sT_layout)).to(dtype)
     else:
         if DKV_RS:

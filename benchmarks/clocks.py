@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from fmha.bench import PROVIDERS, Case, make_problem
+from fmha.bench import Case, timed_call
 
 FIELDS = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
 
@@ -27,18 +27,6 @@ def parse_case(text: str, direction: str) -> tuple[Case, str]:
     case = Case(head_dim=int(head_dim), seqlen=int(seqlen), causal=causal == "1", direction=direction,
                 feature=feature)
     return case, provider[0] if provider else "fmha"
-
-
-def timed_call(case: Case, provider: str):
-    """What ``fmha bench`` times: the forward, or the backward alone through autograd."""
-    torch.manual_seed(0)
-    problem = make_problem(case, "cuda")
-    fn = PROVIDERS[provider](case, problem)
-    if case.direction == "bwd":
-        out = fn()
-        dout = torch.randn_like(out)
-        return lambda: torch.autograd.grad(out, (problem.q, problem.k, problem.v), dout, retain_graph=True)
-    return fn
 
 
 def sustained(fn, seconds: float) -> tuple[float, list[list[str]]]:

@@ -238,18 +238,25 @@ def _environment() -> dict:
     }
 
 
+def timed_call(case: Case, provider: str, device: str = "cuda"):
+    """The call a timing of ``case`` repeats: the forward, or the backward alone through autograd
+    (its forward run once here)."""
+    torch.manual_seed(0)
+    p = make_problem(case, device)
+    fn = PROVIDERS[provider](case, p)
+    if case.direction == "bwd":
+        out = fn()
+        dout = torch.randn_like(out)
+        return lambda: torch.autograd.grad(out, (p.q, p.k, p.v), dout, retain_graph=True)
+    return fn
+
+
 def time_case(case: Case, provider: str, device: str = "cuda") -> dict:
     """One timing: ``{"ms", "tflops"}`` or ``{"error"}`` when the provider cannot run the case."""
     import triton.testing
 
-    torch.manual_seed(0)
     try:
-        p = make_problem(case, device)
-        fn = PROVIDERS[provider](case, p)
-        if case.direction == "bwd":
-            out = fn()
-            dout = torch.randn_like(out)
-            fn = lambda: torch.autograd.grad(out, (p.q, p.k, p.v), dout, retain_graph=True)  # noqa: E731
+        fn = timed_call(case, provider, device)
         ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     except Exception as exc:  # a peer that cannot run this case is reported, not fatal
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"}

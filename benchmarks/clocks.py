@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from fmha.bench import Case, timed_call
+from fmha.bench import Case, Unsupported, timed_call
 
 FIELDS = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
 
@@ -61,10 +61,14 @@ def main() -> None:
     args = parser.parse_args()
     for text in args.cases:
         case, provider = parse_case(text, args.direction)
-        fn = timed_call(case, provider)
-        for _ in range(5):  # compile and warm up
-            fn()
-        torch.cuda.synchronize()
+        try:
+            fn = timed_call(case, provider)
+            for _ in range(5):  # compile and warm up
+                fn()
+            torch.cuda.synchronize()
+        except (Unsupported, RuntimeError) as exc:  # a peer without the feature, or no kernel for it
+            print(f"{text:34s} n/a: {(str(exc) or type(exc).__name__).splitlines()[0][:100]}", flush=True)
+            continue
         ms, rows = sustained(fn, args.seconds)
         if not rows:
             print(f"{text:34s} no nvidia-smi samples")

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from fmha.bench import Case, Unsupported, timed_call
+from fmha.bench import Case, Unsupported, error_text, timed_call
 
 FIELDS = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
 
@@ -67,7 +67,7 @@ def main() -> None:
                 fn()
             torch.cuda.synchronize()
         except (Unsupported, RuntimeError) as exc:  # a peer without the feature, or no kernel for it
-            print(f"{text:34s} n/a: {(str(exc) or type(exc).__name__).splitlines()[0][:100]}", flush=True)
+            print(f"{text:34s} n/a: {error_text(exc)}", flush=True)
             continue
         ms, rows = sustained(fn, args.seconds)
         if not rows:

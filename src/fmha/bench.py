@@ -251,6 +251,11 @@ def timed_call(case: Case, provider: str, device: str = "cuda"):
     return fn
 
 
+def error_text(exc: Exception) -> str:
+    """An exception as one short line: its type and its message's first line."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+
+
 def time_case(case: Case, provider: str, device: str = "cuda") -> dict:
     """One timing: ``{"ms", "tflops"}`` or ``{"error"}`` when the provider cannot run the case."""
     import triton.testing
@@ -259,7 +264,7 @@ def time_case(case: Case, provider: str, device: str = "cuda") -> dict:
         fn = timed_call(case, provider, device)
         ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     except Exception as exc:  # a peer that cannot run this case is reported, not fatal
-        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"}
+        return {"error": error_text(exc)}
     return {"ms": ms, "tflops": case.flops() / ms / 1e9}
 
 

@@ -189,7 +189,8 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
     the config has both) and the backward's three kernels where
     the head dim has a backward config; the forward and the backward's main kernel also with ALiBi
     (and without a causal mask a sliding window with ALiBi; the forward also a sliding window alone,
-    and ALiBi alone where it runs it linearly; the backward also a window alone) where they take it,
+    with dropout and with a bias, and ALiBi alone where it runs it linearly; the backward also a
+    window alone) where they take it,
     and in group mode (the forward also with a window);
     the forward with a bias, and with dropout (alone, with ALiBi, with a bias), the backward
     with a bias (alone and with GQA, each with and without its gradient), with dropout (alone, and
@@ -223,6 +224,15 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
             kernel, grid, kwargs = hopper.fwd_launches(wide, torch.empty_like(q_long),
                                                        torch.empty(wide.lse_shape, dtype=torch.float32))[-1]
             results.append(_compile(f"{prefix} fwd window", kernel, grid, kwargs))
+    if not causal:  # a sliding window with a bias (where the config takes one) and with dropout
+        windowed = [("window dropout", check_inputs(q, k, v, mask="b:100,0", dropout_p=0.1))]
+        if HOPPER_FWD_CONFIGS[head_dim].bias:
+            windowed.append(("window bias", check_inputs(q, k, v, mask="b:100,0",
+                                                          bias=torch.empty(4, 1000, 1000, dtype=dtype))))
+        for name, problem in windowed:
+            philox = torch.zeros(2, dtype=torch.int64) if problem.dropout_p else None
+            kernel, grid, kwargs = hopper.fwd_launches(problem, out, lse, philox)[-1]
+            results.append(_compile(f"{prefix} fwd {name}", kernel, grid, kwargs))
     if HOPPER_FWD_CONFIGS[head_dim].alibi_linear and not causal:  # ALiBi without a window: linear off the diagonal
         kernel, grid, kwargs = hopper.fwd_launches(check_inputs(q, k, v, alibi_slopes=torch.ones(4)), out, lse)[-1]
         results.append(_compile(f"{prefix} fwd alibi", kernel, grid, kwargs))

@@ -224,26 +224,23 @@ def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
             kernel, grid, kwargs = hopper.fwd_launches(wide, torch.empty_like(q_long),
                                                        torch.empty(wide.lse_shape, dtype=torch.float32))[-1]
             results.append(_compile(f"{prefix} fwd window", kernel, grid, kwargs))
-    if not causal:  # a sliding window with a bias (where the config takes one) and with dropout
-        windowed = [("window dropout", check_inputs(q, k, v, mask="b:100,0", dropout_p=0.1))]
-        if HOPPER_FWD_CONFIGS[head_dim].bias:
-            windowed.append(("window bias", check_inputs(q, k, v, mask="b:100,0",
-                                                          bias=torch.empty(4, 1000, 1000, dtype=dtype))))
-        for name, problem in windowed:
-            philox = torch.zeros(2, dtype=torch.int64) if problem.dropout_p else None
-            kernel, grid, kwargs = hopper.fwd_launches(problem, out, lse, philox)[-1]
-            results.append(_compile(f"{prefix} fwd {name}", kernel, grid, kwargs))
     if HOPPER_FWD_CONFIGS[head_dim].alibi_linear and not causal:  # ALiBi without a window: linear off the diagonal
         kernel, grid, kwargs = hopper.fwd_launches(check_inputs(q, k, v, alibi_slopes=torch.ones(4)), out, lse)[-1]
         results.append(_compile(f"{prefix} fwd alibi", kernel, grid, kwargs))
     if HOPPER_FWD_CONFIGS[head_dim].bias:  # a [H, S, S] bias, broadcast over the batch
-        biased = check_inputs(q, k, v, mask="t" if causal else None, bias=torch.empty(4, 1000, 1000, dtype=dtype))
-        kernel, grid, kwargs = hopper.fwd_launches(biased, out, lse)[-1]
-        results.append(_compile(f"{prefix} fwd bias", kernel, grid, kwargs))
+        masks = [("bias", "t" if causal else None)]
+        if not causal:  # and with a sliding window
+            masks.append(("window bias", "b:100,0"))
+        for name, mask in masks:
+            biased = check_inputs(q, k, v, mask=mask, bias=torch.empty(4, 1000, 1000, dtype=dtype))
+            kernel, grid, kwargs = hopper.fwd_launches(biased, out, lse)[-1]
+            results.append(_compile(f"{prefix} fwd {name}", kernel, grid, kwargs))
     packed = torch.empty(1000, 4, head_dim, dtype=dtype)  # group mode: two sequences, one seqstart
     starts = torch.tensor([0, 400, 1000], dtype=torch.int32)
     grouped = check_inputs(packed, packed, packed, seqstart_q=starts, seqstart_k=starts, mask="t" if causal else None)
     dropped = [("dropout", check_inputs(q, k, v, mask="t" if causal else None, dropout_p=0.1))]
+    if not causal:  # with a sliding window
+        dropped.append(("window dropout", check_inputs(q, k, v, mask="b:100,0", dropout_p=0.1)))
     cfg = HOPPER_FWD_CONFIGS[head_dim]
     if cfg.dropout_alibi and (cfg.causal_alibi or not causal):  # with ALiBi (and a window)
         dropped.append((f"{alibi} dropout", check_inputs(q, k, v, mask="t" if causal else "b:100,0",

@@ -186,16 +186,14 @@ def _hopper_name(dtype, head_dim: int, causal: bool) -> str:
 
 def check_hopper(dtype, head_dim: int, causal: bool) -> list[Result]:
     """The Hopper fast path's launches: the Gluon forward (persistent and one CTA per tile where
-    the config has both) and the backward's three kernels where
-    the head dim has a backward config; the forward and the backward's main kernel also with ALiBi
-    (and without a causal mask a sliding window with ALiBi; the forward also a sliding window alone,
-    with dropout and with a bias, and ALiBi alone where it runs it linearly; the backward also a
-    window alone) where they take it,
-    and in group mode (the forward also with a window);
-    the forward with a bias, and with dropout (alone, with ALiBi, with a bias), the backward
-    with a bias (alone and with GQA, each with and without its gradient), with dropout (alone, and
-    with ALiBi and with GQA) and the deterministic backward (alone and with ALiBi), where its config takes
-    them."""
+    the config has both) and the backward's three kernels where the head dim has a backward config;
+    the forward and the backward's main kernel also with ALiBi (and without a causal mask a sliding
+    window with ALiBi; the forward also a sliding window alone, and ALiBi alone where it runs it
+    linearly; the backward also a window alone) where they take it, and in group mode (the forward
+    also with a window); the forward with a bias, and with dropout (alone, with ALiBi, with a bias),
+    each also with a sliding window where not causal; the backward with a bias (alone and with GQA,
+    each with and without its gradient), with dropout (alone, and with ALiBi and with GQA) and the
+    deterministic backward (alone and with ALiBi), where its config takes them."""
     prefix = _hopper_name(dtype, head_dim, causal)
     q = torch.empty(2, 1000, 4, head_dim, dtype=dtype)  # a ragged length: nothing specializes on it
     k, v = torch.empty_like(q), torch.empty_like(q)
